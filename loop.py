@@ -1,0 +1,687 @@
+"""LOOP: Leave-One-Out PPO for LLM agents in stateful environments (arXiv 2502.01600), in one file.
+
+The agent writes Python that calls app APIs over many turns; the whole episode is one token
+sequence in which only the tokens the policy sampled are actions (the POMDP of paper §4.1).
+Each iteration samples N tasks x K rollouts, scores them, turns returns into leave-one-out
+advantages (Eq. 3) and takes PPO steps on a per-token clipped objective (Eq. 5): no critic,
+no reference model, one copy of the LLM.
+
+    python loop.py --tiny                      # tiny model in a tiny world, offline, minutes on a CPU
+    python loop.py --eval --split test --tiny  # TGC/SGC only
+"""
+import builtins
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Settings
+@dataclass
+class Config:
+    model: str = "Qwen/Qwen2.5-32B-Instruct"
+    """Hugging Face model id or local path; "tiny" builds a random model from `tiny_model`."""
+    tiny_model: dict = field(default_factory=dict)
+    """Qwen2Config fields of the tiny model (used when model == "tiny")."""
+    seed: int = 0
+    """Seed for Python, torch and task sampling."""
+    out: str = ""
+    """Run directory for metrics.jsonl, transcripts and weights (default runs/<time>)."""
+    iterations: int = 200
+    """Training iterations (reference code: 200)."""
+    tasks_per_iteration: int = 40
+    """N: tasks sampled per iteration (paper: 40)."""
+    rollouts_per_task: int = 6
+    """K: rollouts per task, the leave-one-out group (paper: 6)."""
+    train_split: str = "train"
+    """Split the training tasks come from."""
+    split: str = "test"
+    """Split that evaluation reports TGC/SGC on."""
+    max_turns: int = 40
+    """Turns per training episode (paper: 40)."""
+    eval_max_turns: int = 50
+    """Turns per evaluation episode (paper: 50)."""
+    max_new_tokens: int = 1500
+    """Tokens the policy may sample per turn (paper: 1500)."""
+    max_context: int = 32768
+    """Episode length cap in tokens; the episode ends when the next turn would not fit."""
+    max_obs_tokens: int = 3000
+    """Environment outputs longer than this are cut, with a note saying so."""
+    code_timeout: float = 5.0
+    """Seconds the agent's code may run per turn before it is stopped."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts; log-probs are scored at the same one."""
+    eval_temperature: float = 0.0
+    """Sampling temperature for evaluation (0 = greedy)."""
+    lr: float = 5e-5
+    """AdamW learning rate, constant (paper: 5e-5)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (reference code: 0.01)."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip (paper: 1.0; reference code: 0.1)."""
+    epochs: int = 2
+    """Passes over an iteration's rollouts (paper: 2)."""
+    minibatch_size: int = 32
+    """Rollouts per optimiser step, mixed across tasks (paper: 32)."""
+    micro_batch_size: int = 4
+    """Rollouts per forward/backward pass; gradients accumulate up to the minibatch."""
+    clip_eps: float = 0.1
+    """Ratio clipped to [1/(1+eps), 1+eps] as in the reference code (paper: [1-eps, 1+eps])."""
+    ratio: str = "token"
+    """Importance ratio: token (LOOP, Eq. 5), turn, trajectory, or none (on-policy RLOO)."""
+    normalize_rewards: bool = False
+    """Divide advantages by the group's reward std (the paper's RwNorm variant; off in LOOP)."""
+    min_abs_advantage: float = 0.01
+    """Rollouts with |A| below this carry no signal and are dropped."""
+    max_kl: float = 20.0
+    """Abandon the rest of an iteration when |KL estimate| of a minibatch exceeds this."""
+    eval_every: int = 10
+    """Evaluate every this many iterations (and before the first and after the last)."""
+    eval: bool = False
+    """Only evaluate `split`, no training."""
+    num_transcripts: int = 3
+    """Episode transcripts saved per evaluation."""
+    warmup_steps: int = 0
+    """Supervised steps on format-only demonstrations before RL (tiny model only)."""
+    warmup_lr: float = 1e-3
+    """Learning rate of the format warm-up."""
+    batch_episodes: int = 256
+    """Episodes generated together in one batch."""
+
+
+def parse_config(argv):
+    """Defaults <- --config / --tiny JSON file <- flags. User mistakes exit 2 with one message."""
+    import argparse
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="JSON file of settings")
+    p.add_argument("--tiny", action="store_true", help="same as --config tiny_config.json")
+    for name, f in fields.items():
+        flag, t = "--" + name.replace("_", "-"), hints[name]
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f.__doc__)
+        else:
+            p.add_argument(flag, type=json.loads if t is dict else t, default=None, help=f.__doc__)
+    args = p.parse_args(argv)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.json") if args.tiny else args.config
+    values = {}
+    if path:
+        try:
+            with open(path) as fh:
+                values = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            sys.exit(print(f"error: cannot read config {path}: {e}", file=sys.stderr) or 2)
+        for k, v in values.items():
+            if k not in fields:
+                sys.exit(print(f"error: unknown key {k!r} in {path}; valid keys: {', '.join(fields)}", file=sys.stderr) or 2)
+            t = hints[k]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) if t is float else (
+                isinstance(v, t) and (t is bool or not isinstance(v, bool)))
+            if not ok:
+                sys.exit(print(f"error: {k!r} in {path} must be {t.__name__}, got {v!r}", file=sys.stderr) or 2)
+    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
+    cfg = Config(**values)
+    if cfg.ratio not in ("token", "turn", "trajectory", "none"):
+        sys.exit(print(f"error: --ratio must be token, turn, trajectory or none, got {cfg.ratio!r}", file=sys.stderr) or 2)
+    if cfg.rollouts_per_task < 2:
+        sys.exit(print("error: --rollouts-per-task must be >= 2 for leave-one-out advantages", file=sys.stderr) or 2)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Model and tokenizer
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_tokenizer(corpus, vocab_size=1024):
+    """Byte-level BPE trained in code on the world's own text: exact for any text, no download."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.BPE())
+    # Quoted strings, numbers and words stand alone; runs of code between them may merge whole.
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r'"[^"\n]{0,16}"|\d+| ?[A-Za-z]+(?=[ .?,])'), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                  padding_side="left", clean_up_tokenization_spaces=False)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def load_model_and_tokenizer(cfg, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    if cfg.model == "tiny":
+        tok = build_tiny_tokenizer(TinyWorld.corpus())
+        torch.manual_seed(cfg.seed)
+        mcfg = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                           bos_token_id=None, **cfg.tiny_model)
+        model = AutoModelForCausalLM.from_config(mcfg)
+    else:
+        if not os.path.isdir(cfg.model) and os.path.sep in cfg.model.rstrip(os.path.sep).lstrip("." + os.path.sep):
+            sys.exit(print(f"error: model path {cfg.model} does not exist; give a local directory or a "
+                           "Hugging Face id such as Qwen/Qwen2.5-7B-Instruct", file=sys.stderr) or 2)
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.model, padding_side="left")
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        except OSError as e:
+            sys.exit(print(f"error: cannot load model {cfg.model!r}: {e}", file=sys.stderr) or 2)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+    return model.to(device), tok
+
+
+class Chat:
+    """Token bookkeeping for one chat template. Templates are not append-only (default system
+    prompts, the newline after the end-of-turn token), so an episode is never re-templated: it is
+    the prompt, then the ids actually sampled, then each environment message's own tokens."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eot = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+        self.stop_ids = sorted({self.eot, tok.eos_token_id} | {tok.convert_tokens_to_ids(t) for t in
+                               ("<|endoftext|>", "<|im_start|>") if t in tok.get_vocab()})
+        # What the template puts between the end of an assistant turn and the next generation:
+        # render a probe conversation with and without a user message and take the difference.
+        a, b, obs = "\x00ASSISTANT\x00", "\x00OBSERVATION\x00", [{"role": "user", "content": "task"}]
+        probe = obs + [{"role": "assistant", "content": a}]
+        before = tok.apply_chat_template(probe, tokenize=False)
+        after = tok.apply_chat_template(probe + [{"role": "user", "content": b}], tokenize=False,
+                                        add_generation_prompt=True)
+        eot_text = tok.convert_ids_to_tokens(self.eot)
+        cut = before.index(a + eot_text) + len(a + eot_text)
+        assert after[:cut] == before[:cut], "chat template renders earlier turns differently"
+        pre, post = after[cut:].split(b)
+        self.pre, self.post = self.encode(pre), self.encode(post)
+
+    def encode(self, text, literal=False):
+        """Template text keeps its special tokens; environment text (literal) never can end a turn."""
+        return self.tok(text, add_special_tokens=False, split_special_tokens=literal)["input_ids"]
+
+    def prompt(self, messages):
+        return self.encode(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def truncate(self, text, max_tokens):
+        ids = self.encode(text, literal=True)
+        if len(ids) <= max_tokens:
+            return text
+        head = self.tok.decode(ids[:max_tokens])
+        cut = max(head.rfind("\n"), head.rfind(" "))
+        return (head[:cut] if cut > 0 else head) + f"\n[output truncated: {len(ids)} tokens, showing the first {max_tokens}]"
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Environments. Fork here for a new environment: a class with tasks(split), scenario(task_id),
+#    messages(), step(code) -> observation, done, and evaluate() -> (tests passed, tests total).
+def extract_code(text):
+    """All ```python / ```py blocks joined; an unterminated last block counts; no block -> ""."""
+    blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
+    return "\n".join(b.rstrip() for b in blocks)
+
+
+class CodeTimeout(Exception):
+    pass
+
+
+SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
+    "abs all any bool dict enumerate filter float int isinstance len list map max min print range repr "
+    "reversed round set sorted str sum tuple zip Exception KeyError ValueError TypeError").split()}
+
+
+def run_code(code, namespace, timeout, max_chars=20000):
+    """Run agent code in a persistent namespace with restricted builtins and a deadline. Whatever
+    happens (exception, syntax error, endless loop, flood of output) comes back as text."""
+    out, size = [], [0]
+
+    def _print(*args, sep=" ", end="\n", **_):
+        s = sep.join(map(str, args)) + end
+        size[0] += len(s)
+        if size[0] > max_chars:
+            raise CodeTimeout(f"output exceeded {max_chars} characters")
+        out.append(s)
+
+    deadline = time.monotonic() + timeout
+
+    def tracer(frame, event, arg):  # a line-level deadline works in any thread, unlike signals
+        if time.monotonic() > deadline:
+            raise CodeTimeout(f"code ran longer than {timeout} s")
+        return tracer
+
+    namespace["__builtins__"] = dict(SAFE_BUILTINS, print=_print)
+    old = sys.gettrace()
+    try:
+        sys.settrace(tracer)
+        exec(compile(code, "<agent>", "exec"), namespace)
+        status = ""
+    except BaseException as e:  # noqa: BLE001 - the agent's failure is an observation, never a crash
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        status = f"Execution failed. {type(e).__name__}: {e}"
+    finally:
+        sys.settrace(old)
+    text = "".join(out) + status
+    return text.strip() or "Execution successful."
+
+
+NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
+TOPICS = ["milk", "books", "rent", "trip", "gym", "lunch", "taxes", "plants"]
+
+
+class TinyWorld:
+    """A miniature AppWorld: three stateful apps (contacts, bank, notes) behind `apis`, a
+    supervisor who receives the answer, and unit-test-like checks on the end state. Tasks come in
+    scenarios of three (same template, different values); train and test hold different scenarios."""
+
+    FAMILIES = {"pay": "Send {amount} dollars to {name}.",
+                "phone": "What is {name}'s phone number?",
+                "note": "Create a note titled {topic}."}
+    SYSTEM = ("You act for your supervisor. Write Python in ```python blocks; it runs in a REPL with "
+              "`apis`: contacts.phone(name), bank.balance(), bank.send(to, amount), notes.create(title), "
+              "supervisor.complete_task(answer=None). Call complete_task when done.")
+
+    @staticmethod
+    def tasks(split):
+        ids = [f"{fam}{i:02d}_{n}" for fam in TinyWorld.FAMILIES for i in range(16) for n in (1, 2, 3)]
+        scenarios = sorted({t.split("_")[0] for t in ids})
+        random.Random(1234).shuffle(scenarios)
+        chosen = {"train": scenarios[12:], "test": scenarios[:12]}.get(split)
+        if chosen is None:
+            raise ValueError(f"tiny world splits are train and test, not {split!r}")
+        return [t for t in ids if t.split("_")[0] in chosen]
+
+    @staticmethod
+    def scenario(task_id):
+        return task_id.split("_")[0]
+
+    def __init__(self, task_id, timeout=5.0, max_obs_chars=20000):
+        self.task_id, self.timeout, self.max_chars = task_id, timeout, max_obs_chars
+        family, i = task_id[:-4], int(task_id[-4:-2])  # "<family><ii>_<n>"
+        rng = random.Random(task_id)
+        self.family = family
+        self.params = {"name": NAMES[i % 8], "topic": TOPICS[i % 8], "amount": rng.randint(1, 9)}
+        self.phones = {n: f"555-{rng.randint(1000, 9999)}" for n in NAMES}
+        self.balance, self.transfers, self.notes = rng.randint(20, 99), [], []
+        self.answer, self.done = None, False
+        self.namespace = {"apis": self._apis()}
+
+    def _apis(self):
+        w, ns = self, lambda **kw: type("App", (), {k: staticmethod(v) for k, v in kw.items()})
+
+        def phone(name):
+            if name not in w.phones:
+                raise KeyError(f"no contact named {name!r}")
+            return w.phones[name]
+
+        def send(to, amount):
+            if to not in w.phones:
+                raise KeyError(f"no contact named {to!r}")
+            if not isinstance(amount, int) or not 0 < amount <= w.balance:
+                raise ValueError(f"invalid amount {amount!r}; balance is {w.balance}")
+            w.balance -= amount
+            w.transfers.append((to, amount))
+            return "sent"
+
+        def create(title):
+            w.notes.append(str(title))
+            return len(w.notes)
+
+        def complete_task(answer=None):
+            w.answer, w.done = answer, True
+            return "task completed"
+
+        return ns(contacts=ns(phone=phone), bank=ns(balance=lambda: w.balance, send=send),
+                  notes=ns(create=create), supervisor=ns(complete_task=complete_task))
+
+    def messages(self):
+        return [{"role": "system", "content": self.SYSTEM},
+                {"role": "user", "content": self.FAMILIES[self.family].format(**self.params)}]
+
+    def step(self, code):
+        return run_code(code, self.namespace, self.timeout, self.max_chars)
+
+    def evaluate(self):
+        """Checks on the end state; partial credit always points at the full solution."""
+        p, t = self.params, self.transfers
+        if self.family == "pay":
+            checks = [len(t) == 1, bool(t) and all(to == p["name"] for to, _ in t),
+                      bool(t) and all(a == p["amount"] for _, a in t), self.done]
+        elif self.family == "phone":
+            checks = [self.answer in self.phones.values(), self.answer == self.phones[p["name"]], self.done]
+        else:
+            checks = [len(self.notes) == 1, self.notes == [p["topic"]], self.done]
+        return sum(checks), len(checks)
+
+    @staticmethod
+    def demo(rng):
+        """A format-only demonstration: one task's instruction and random API calls with random
+        arguments that do not solve it (the caller rejects any that would)."""
+        looks = ["print(apis.bank.balance())", f'print(apis.contacts.phone(name="{rng.choice(NAMES)}"))']
+        acts = [f'apis.bank.send(to="{rng.choice(NAMES)}", amount={rng.randint(1, 9)})\n'
+                "apis.supervisor.complete_task()",
+                f'apis.supervisor.complete_task(answer=apis.contacts.phone(name="{rng.choice(NAMES)}"))',
+                f'apis.notes.create(title="{rng.choice(TOPICS)}")\napis.supervisor.complete_task()']
+        turns = ([rng.choice(looks)] if rng.random() < 0.3 else []) + [rng.choice(acts)]
+        return [f"```python\n{c}\n```" for c in turns]
+
+    @staticmethod
+    def corpus():
+        rng, world = random.Random(0), TinyWorld("pay00_1")
+        text = [world.SYSTEM] * 20 + [TinyWorld(t).messages()[1]["content"] for s in ("train", "test") for t in TinyWorld.tasks(s)]
+        text += ["\n".join(TinyWorld.demo(rng)) for _ in range(2000)] + list(world.phones.values())
+        return text + ["system user assistant", "Execution successful.", "Execution failed. KeyError: ValueError: task completed"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Rollouts: the POMDP of paper §4.1. One token sequence per episode; `is_output` marks the
+#    tokens the policy sampled (its actions, stop token included), everything else is context.
+@dataclass(eq=False)
+class Episode:
+    task_id: str
+    env: typing.Any
+    ids: list
+    is_output: list
+    turn: list  # turn index of each sampled token, -1 for context tokens
+    sample_logp: list  # log-prob of each token when it was sampled (0 for context)
+    transcript: list
+    done: bool = False
+    reward: float = 0.0
+    success: bool = False
+
+    def add(self, ids, output=False, turn=-1, logps=None):
+        self.ids += ids
+        self.is_output += [output] * len(ids)
+        self.turn += [turn] * len(ids)
+        self.sample_logp += logps if logps is not None else [0.0] * len(ids)
+
+
+def new_episode(env, task_id, chat):
+    messages = env.messages()
+    e = Episode(task_id, env, [], [], [], [], list(messages))
+    e.add(chat.prompt(messages))
+    return e
+
+
+@torch.no_grad()
+def generate(model, chat, prompts, temperature, max_new_tokens):
+    """Sample one turn for a batch of episodes; returns per episode the sampled ids (cut after the
+    first stop token) and their log-probs under the sampling distribution."""
+    from transformers import GenerationConfig
+    tok, device = chat.tok, next(model.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    greedy = temperature <= 0
+    gc = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature, top_k=0, top_p=1.0,
+                          max_new_tokens=max_new_tokens, eos_token_id=chat.stop_ids, pad_token_id=tok.pad_token_id,
+                          output_logits=True, return_dict_in_generate=True)
+    out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc)
+    new = out.sequences[:, width:]
+    logits = torch.stack(out.logits, 1).float() / (1.0 if greedy else temperature)
+    logps = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+    result = []
+    for row, lp in zip(new.tolist(), logps.tolist()):
+        n = next((i + 1 for i, t in enumerate(row) if t in chat.stop_ids), len(row))
+        result.append((row[:n], lp[:n]))
+    return result
+
+
+def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout"):
+    """Play all episodes to the end, one batched generation per turn for every live episode."""
+    model.eval()
+    episodes = [new_episode(env, t, chat) for env, t in zip(envs, task_ids)]
+    for turn in tqdm(range(max_turns), desc=desc, leave=False, disable=None):
+        for e in episodes:
+            e.done = e.done or len(e.ids) >= cfg.max_context
+        live = [e for e in episodes if not e.done]
+        if not live:
+            break
+        room = max(cfg.max_context - len(e.ids) for e in live)
+        for s in range(0, len(live), cfg.batch_episodes):
+            batch = live[s:s + cfg.batch_episodes]
+            for e, (new, lps) in zip(batch, generate(model, chat, [e.ids for e in batch], temperature,
+                                                      min(cfg.max_new_tokens, room))):
+                new, lps = new[:cfg.max_context - len(e.ids)], lps[:cfg.max_context - len(e.ids)]
+                e.add(new, output=True, turn=turn, logps=lps)
+                text = chat.tok.decode(new, skip_special_tokens=True)  # whole turns only: bytes stay intact
+                obs = chat.truncate(e.env.step(extract_code(text)), cfg.max_obs_tokens)
+                e.transcript += [{"role": "assistant", "content": text}, {"role": "user", "content": obs}]
+                e.done = e.env.done or turn == max_turns - 1 or len(e.ids) >= cfg.max_context
+                if not e.done:  # the environment's reply, then the cue for the next turn
+                    e.add(([] if new and new[-1] == chat.eot else [chat.eot]) + chat.pre
+                          + chat.encode(obs, literal=True) + chat.post)
+    for e in episodes:
+        passed, total = e.env.evaluate()
+        e.reward, e.success = passed / total, passed == total
+    return episodes
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Leave-one-out advantages (Eq. 3)
+def loo_advantages(rewards, normalize=False):
+    """rewards [N, K] -> A_k = R_k - mean_{i!=k} R_i = K/(K-1) (R_k - mean R), no std division."""
+    k = rewards.shape[1]
+    adv = k / (k - 1) * (rewards - rewards.mean(1, keepdim=True))  # Eq. 3
+    if normalize:  # the paper's RwNorm ablation, not LOOP
+        adv = adv / (rewards.std(1, keepdim=True) + 1e-6)
+    return adv
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. The clipped objective (Eq. 5) and its per-turn / per-trajectory / on-policy variants
+def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
+    """Per-rollout loss (to minimise) and number of clipped tokens.
+
+    logp, old_logp, mask, turn: [B, T] over target tokens; adv: [B]. Each rollout's loss is the
+    mean over its own output tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
+    mask = mask.float()
+    n = mask.sum(1).clamp(min=1)
+    a = adv[:, None]
+    if ratio == "none":  # on-policy RLOO: -A * mean log p
+        return -(adv * (logp * mask).sum(1) / n), torch.zeros((), device=logp.device)
+    log_r = (logp - old_logp) * mask
+    if ratio == "turn":  # one ratio per assistant turn, shared by that turn's tokens
+        onehot = F.one_hot(turn.clamp(min=0), int(turn.max()) + 1) * mask[..., None]
+        log_r = torch.einsum("bj,btj->bt", torch.einsum("bt,btj->bj", log_r, onehot), onehot)
+    elif ratio == "trajectory":  # one ratio per rollout: prod_t r_t
+        log_r = log_r.sum(1, keepdim=True).expand_as(mask)
+    r = torch.exp(log_r)
+    clipped = torch.clamp(r, 1 / (1 + eps), 1 + eps)
+    obj = torch.minimum(r * a, clipped * a)  # Eq. 5
+    n_clipped = (((clipped * a) < (r * a)) & mask.bool()).sum()
+    return -(obj * mask).sum(1) / n, n_clipped
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. The training step
+def pad_batch(episodes, device):
+    width = max(len(e.ids) for e in episodes)
+    pad = lambda rows, v: torch.tensor([r + [v] * (width - len(r)) for r in rows], device=device)  # noqa: E731
+    return (pad([e.ids for e in episodes], 0), pad([[1] * len(e.ids) for e in episodes], 0),
+            pad([e.is_output for e in episodes], False), pad([e.turn for e in episodes], -1))
+
+
+def token_logprobs(model, ids, attn, temperature):
+    """log p(x_t | x_<t) of each next token [B, T-1], at the sampling temperature."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    return torch.log_softmax(logits / max(temperature, 1e-6), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def update(model, opt, episodes, advantages, cfg):
+    """PPO epochs over the iteration's rollouts with the per-token clipped objective."""
+    device = next(model.parameters()).device
+    keep = [i for i, a in enumerate(advantages.tolist()) if abs(a) >= cfg.min_abs_advantage]
+    stats = {"rollouts_used": len(keep), "steps": 0, "skipped_nan": 0, "abandoned": False,
+             "kl": 0.0, "clip_fraction": 0.0, "loss": 0.0, "grad_norm": 0.0}
+    if not keep:
+        return stats
+    micro = lambda idx: [idx[s:s + cfg.micro_batch_size] for s in range(0, len(idx), cfg.micro_batch_size)]  # noqa: E731
+    model.eval()  # psi: old log-probs from the same model, right before the update, same temperature
+    old = {}
+    with torch.no_grad():
+        for chunk in micro(keep):
+            ids, attn, _, _ = pad_batch([episodes[i] for i in chunk], device)
+            for i, lp in zip(chunk, token_logprobs(model, ids, attn, cfg.temperature)):
+                old[i] = lp[:len(episodes[i].ids) - 1]
+    model.train()
+    kls, clipped, outputs, losses, norms = [], 0, 0, [], []
+    for _ in range(cfg.epochs):
+        order = random.sample(keep, len(keep))
+        for s in range(0, len(order), cfg.minibatch_size):
+            opt.zero_grad(set_to_none=True)
+            mb_loss, mb_kl, mb_clipped, mb_out = 0.0, 0.0, 0, 0
+            for chunk in micro(order[s:s + cfg.minibatch_size]):
+                ids, attn, is_out, turn = pad_batch([episodes[i] for i in chunk], device)
+                logp = token_logprobs(model, ids, attn, cfg.temperature)
+                old_lp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True)
+                mask = is_out[:, 1:] & attn[:, 1:].bool()
+                per_rollout, n_clip = loop_loss(logp, old_lp, advantages[chunk].to(device), mask, turn[:, 1:],
+                                                cfg.ratio, cfg.clip_eps)
+                loss = per_rollout.sum() / cfg.minibatch_size  # sum over rollouts / minibatch size
+                loss.backward()
+                mb_loss += loss.item()
+                mb_kl += -(((logp - old_lp) * mask).sum(1)).sum().item()
+                mb_clipped, mb_out = mb_clipped + n_clip.item(), mb_out + mask.sum().item()
+            kl = mb_kl / len(order[s:s + cfg.minibatch_size])
+            kls.append(kl)
+            if abs(kl) > cfg.max_kl:  # the policy moved too far: stop using these rollouts
+                opt.zero_grad(set_to_none=True)
+                stats["abandoned"] = True
+                break
+            if not math.isfinite(mb_loss):
+                opt.zero_grad(set_to_none=True)
+                stats["skipped_nan"] += 1
+                continue
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item())
+            opt.step()
+            stats["steps"] += 1
+            losses.append(mb_loss)
+            clipped, outputs = clipped + mb_clipped, outputs + mb_out
+        if stats["abandoned"]:
+            break
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    stats.update(kl=mean(kls), clip_fraction=clipped / max(outputs, 1), loss=mean(losses), grad_norm=mean(norms))
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
+def make_envs(cfg, task_ids):
+    return [TinyWorld(t, timeout=cfg.code_timeout) for t in task_ids]
+
+
+def evaluate(model, chat, cfg, split, iteration, run_dir):
+    tasks = TinyWorld.tasks(split)
+    episodes = rollout(model, chat, make_envs(cfg, tasks), tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
+                       desc=f"eval {split}")
+    by_scenario = {}
+    for e in episodes:
+        by_scenario.setdefault(TinyWorld.scenario(e.task_id), []).append(e.success)
+    result = {"iteration": iteration, "split": split, "tgc": sum(e.success for e in episodes) / len(episodes),
+              "sgc": sum(all(v) for v in by_scenario.values()) / len(by_scenario),
+              "reward_mean": sum(e.reward for e in episodes) / len(episodes), "tasks": len(episodes),
+              "per_task": {e.task_id: e.success for e in episodes}}
+    if run_dir:
+        os.makedirs(os.path.join(run_dir, "transcripts"), exist_ok=True)
+        with open(os.path.join(run_dir, "transcripts", f"{split}_iter{iteration:04d}.txt"), "w") as fh:
+            for e in episodes[:cfg.num_transcripts]:
+                fh.write(f"=== {e.task_id} reward={e.reward:.2f} success={e.success}\n")
+                fh.write("".join(f"--- {m['role']}\n{m['content']}\n" for m in e.transcript) + "\n")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. Main: format warm-up (tiny only), then iterations of rollouts -> advantages -> update
+def warmup(model, chat, cfg):
+    """Teach a random model the action format (stand-in for instruction tuning) on demonstrations
+    with random arguments; any demonstration that happens to solve its own task is rejected."""
+    rng, opt = random.Random(cfg.seed), torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
+    device, train = next(model.parameters()).device, TinyWorld.tasks(cfg.train_split) + TinyWorld.tasks(cfg.split)
+    model.train()
+    for _ in tqdm(range(cfg.warmup_steps), desc="format warm-up", disable=None):
+        batch = []
+        while len(batch) < 16:
+            env = TinyWorld(rng.choice(train), timeout=cfg.code_timeout)
+            e = new_episode(env, env.task_id, chat)
+            for i, msg in enumerate(TinyWorld.demo(rng)):
+                if i:
+                    e.add(chat.pre + chat.encode(obs, literal=True) + chat.post)
+                e.add(chat.encode(msg) + [chat.eot], output=True, turn=i)
+                obs = env.step(extract_code(msg))
+            passed, total = env.evaluate()
+            if passed < total:
+                batch.append(e)
+        ids, attn, is_out, _ = pad_batch(batch, device)
+        logp = token_logprobs(model, ids, attn, 1.0)
+        mask = (is_out[:, 1:] & attn[:, 1:].bool()).float()
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+def main(argv=None):
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run_dir = cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as fh:
+        json.dump(dataclasses.asdict(cfg), fh, indent=1)
+    metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def log(row):
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+        brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "per_task"}
+        tqdm.write(json.dumps(brief))
+
+    t0 = time.time()
+    model, tok = load_model_and_tokenizer(cfg, device)
+    chat = Chat(tok)
+    if cfg.warmup_steps:
+        warmup(model, chat, cfg)
+    log(evaluate(model, chat, cfg, cfg.split, 0, run_dir) | {"seconds": round(time.time() - t0, 1)})
+    if cfg.eval:
+        return
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    train_tasks, rng = TinyWorld.tasks(cfg.train_split), random.Random(cfg.seed)
+    for it in tqdm(range(1, cfg.iterations + 1), desc="LOOP", disable=None):
+        t = time.time()
+        tasks = rng.sample(train_tasks, min(cfg.tasks_per_iteration, len(train_tasks)))
+        task_ids = [task for task in tasks for _ in range(cfg.rollouts_per_task)]
+        episodes = rollout(model, chat, make_envs(cfg, task_ids), task_ids, cfg, cfg.temperature, cfg.max_turns)
+        rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), cfg.rollouts_per_task)
+        advantages = loo_advantages(rewards, cfg.normalize_rewards).flatten()
+        stats = update(model, opt, episodes, advantages, cfg)
+        log({"iteration": it, "reward_mean": rewards.mean().item(),
+             "success_rate": sum(e.success for e in episodes) / len(episodes),
+             "turns_mean": sum(1 + max(e.turn) for e in episodes) / len(episodes),
+             "tokens_mean": sum(len(e.ids) for e in episodes) / len(episodes), **stats,
+             "seconds": round(time.time() - t, 2)})
+        if it % cfg.eval_every == 0 or it == cfg.iterations:
+            log(evaluate(model, chat, cfg, cfg.split, it, run_dir) | {"seconds": round(time.time() - t0, 1)})
+    model.save_pretrained(os.path.join(run_dir, "model"))
+    tok.save_pretrained(os.path.join(run_dir, "model"))
+    metrics.close()
+
+
+if __name__ == "__main__":
+    main()
