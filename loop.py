@@ -280,8 +280,8 @@ def run_code(code, namespace, timeout, max_chars=20000):
     return text.strip() or "Execution successful."
 
 
-NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
-TOPICS = ["milk", "books", "rent", "trip", "gym", "lunch", "taxes", "plants"]
+NAMES = ["alice", "bob", "carol", "dave", "erin", "frank"]
+TOPICS = ["milk", "books", "rent", "trip", "gym", "lunch"]
 
 
 class TinyWorld:
@@ -289,19 +289,19 @@ class TinyWorld:
     supervisor who receives the answer, and unit-test-like checks on the end state. Tasks come in
     scenarios of three (same template, different values); train and test hold different scenarios."""
 
-    FAMILIES = {"pay": "Send {amount} dollars to {name}.",
-                "phone": "What is {name}'s phone number?",
-                "note": "Create a note titled {topic}."}
+    FAMILIES = {"pay": 'Send {amount} dollars to "{name}".',
+                "phone": 'What is the phone number of "{name}"?',
+                "note": 'Create a note titled "{topic}".'}
     SYSTEM = ("You act for your supervisor. Write Python in ```python blocks; it runs in a REPL with "
-              "`apis`: contacts.phone(name), bank.balance(), bank.send(to, amount), notes.create(title), "
-              "supervisor.complete_task(answer=None). Call complete_task when done.")
+              "`apis`: contacts.phone(name), contacts.call(name), bank.balance(), bank.send(to, amount), "
+              "bank.request(name, amount), notes.create(title), notes.pin(title), supervisor.complete_task(answer=None).")
 
     @staticmethod
     def tasks(split):
-        ids = [f"{fam}{i:02d}_{n}" for fam in TinyWorld.FAMILIES for i in range(16) for n in (1, 2, 3)]
+        ids = [f"{fam}{i:02d}_{n}" for fam in TinyWorld.FAMILIES for i in range(12) for n in (1, 2, 3)]
         scenarios = sorted({t.split("_")[0] for t in ids})
         random.Random(1234).shuffle(scenarios)
-        chosen = {"train": scenarios[12:], "test": scenarios[:12]}.get(split)
+        chosen = {"train": scenarios[9:], "test": scenarios[:9]}.get(split)
         if chosen is None:
             raise ValueError(f"tiny world splits are train and test, not {split!r}")
         return [t for t in ids if t.split("_")[0] in chosen]
@@ -314,10 +314,10 @@ class TinyWorld:
         self.task_id, self.timeout, self.max_chars = task_id, timeout, max_obs_chars
         family, i = task_id[:-4], int(task_id[-4:-2])  # "<family><ii>_<n>"
         rng = random.Random(task_id)
-        self.family = family
-        self.params = {"name": NAMES[i % 8], "topic": TOPICS[i % 8], "amount": rng.randint(1, 9)}
+        self.family, self.instruction = family, self.FAMILIES[family]
+        self.params = {"name": NAMES[i % len(NAMES)], "topic": TOPICS[i % len(TOPICS)], "amount": rng.randint(1, 5)}
         self.phones = {n: f"555-{rng.randint(1000, 9999)}" for n in NAMES}
-        self.balance, self.transfers, self.notes = rng.randint(20, 99), [], []
+        self.balance, self.transfers, self.notes, self.requests, self.pinned = rng.randint(20, 99), [], [], [], []
         self.answer, self.done = None, False
         self.namespace = {"apis": self._apis()}
 
@@ -346,12 +346,19 @@ class TinyWorld:
             w.answer, w.done = answer, True
             return "task completed"
 
-        return ns(contacts=ns(phone=phone), bank=ns(balance=lambda: w.balance, send=send),
-                  notes=ns(create=create), supervisor=ns(complete_task=complete_task))
+        def request(name, amount):
+            phone(name)
+            w.requests.append((name, amount))
+            return "requested"
+
+        return ns(contacts=ns(phone=phone, call=lambda name: f"calling {phone(name)}"),
+                  bank=ns(balance=lambda: w.balance, send=send, request=request),
+                  notes=ns(create=create, pin=lambda title: w.pinned.append(title)),
+                  supervisor=ns(complete_task=complete_task))
 
     def messages(self):
         return [{"role": "system", "content": self.SYSTEM},
-                {"role": "user", "content": self.FAMILIES[self.family].format(**self.params)}]
+                {"role": "user", "content": self.instruction.format(**self.params)}]
 
     def step(self, code):
         return run_code(code, self.namespace, self.timeout, self.max_chars)
@@ -370,21 +377,34 @@ class TinyWorld:
 
     @staticmethod
     def demo(rng):
-        """A format-only demonstration: one task's instruction and random API calls with random
-        arguments that do not solve it (the caller rejects any that would)."""
+        """A warm-up demonstration that solves no train or test task: a request of a family in no
+        split (call, pin, ask, say: each copies the request's quoted values into the arguments of
+        an API no task needs), or random calls with random arguments under a neutral request."""
+        name, topic, n = rng.choice(NAMES), rng.choice(TOPICS), rng.randint(1, 5)
+        done = "\napis.supervisor.complete_task()"
+        r = rng.randrange(5)
+        if r == 0:
+            return f'Call "{name}".', [f'```python\napis.contacts.call(name="{name}"){done}\n```']
+        if r == 1:
+            return f'Pin the note "{topic}".', [f'```python\napis.notes.pin(title="{topic}"){done}\n```']
+        if r == 2:
+            return f'Ask "{name}" for {n} dollars.', [f'```python\napis.bank.request(name="{name}", amount={n}){done}\n```']
+        if r == 3:
+            value = rng.choice([f'"{name}"', f'"{topic}"', str(n)])
+            return f"Say {value}.", [f"```python\napis.supervisor.complete_task(answer={value})\n```"]
         looks = ["print(apis.bank.balance())", f'print(apis.contacts.phone(name="{rng.choice(NAMES)}"))']
-        acts = [f'apis.bank.send(to="{rng.choice(NAMES)}", amount={rng.randint(1, 9)})\n'
-                "apis.supervisor.complete_task()",
+        acts = [f'apis.bank.send(to="{rng.choice(NAMES)}", amount={rng.randint(1, 5)}){done}',
                 f'apis.supervisor.complete_task(answer=apis.contacts.phone(name="{rng.choice(NAMES)}"))',
-                f'apis.notes.create(title="{rng.choice(TOPICS)}")\napis.supervisor.complete_task()']
+                f'apis.notes.create(title="{rng.choice(TOPICS)}"){done}']
         turns = ([rng.choice(looks)] if rng.random() < 0.3 else []) + [rng.choice(acts)]
-        return [f"```python\n{c}\n```" for c in turns]
+        return "Try the apis.", [f"```python\n{c}\n```" for c in turns]
 
     @staticmethod
     def corpus():
         rng, world = random.Random(0), TinyWorld("pay00_1")
         text = [world.SYSTEM] * 20 + [TinyWorld(t).messages()[1]["content"] for s in ("train", "test") for t in TinyWorld.tasks(s)]
-        text += ["\n".join(TinyWorld.demo(rng)) for _ in range(2000)] + list(world.phones.values())
+        text += [d for _ in range(2000) for d in (lambda q, turns: [q, *turns])(*TinyWorld.demo(rng))]
+        text += list(world.phones.values())
         return text + ["system user assistant", "Execution successful.", "Execution failed. KeyError: ValueError: task completed"]
 
 
@@ -609,24 +629,23 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
 # ----------------------------------------------------------------------------------------------
 # 9. Main: format warm-up (tiny only), then iterations of rollouts -> advantages -> update
 def warmup(model, chat, cfg):
-    """Teach a random model the action format (stand-in for instruction tuning) on demonstrations
-    with random arguments; any demonstration that happens to solve its own task is rejected."""
+    """Teach a random model the action format, a stand-in for instruction tuning, on
+    demonstrations that solve no train or test task (TinyWorld.demo)."""
     rng, opt = random.Random(cfg.seed), torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
-    device, train = next(model.parameters()).device, TinyWorld.tasks(cfg.train_split) + TinyWorld.tasks(cfg.split)
+    device = next(model.parameters()).device
     model.train()
     for _ in tqdm(range(cfg.warmup_steps), desc="format warm-up", disable=None):
         batch = []
-        while len(batch) < 16:
-            env = TinyWorld(rng.choice(train), timeout=cfg.code_timeout)
+        for _ in range(16):
+            env = TinyWorld("pay00_1", timeout=cfg.code_timeout)
+            env.instruction, turns = TinyWorld.demo(rng)
             e = new_episode(env, env.task_id, chat)
-            for i, msg in enumerate(TinyWorld.demo(rng)):
+            for i, msg in enumerate(turns):
                 if i:
                     e.add(chat.pre + chat.encode(obs, literal=True) + chat.post)
                 e.add(chat.encode(msg) + [chat.eot], output=True, turn=i)
                 obs = env.step(extract_code(msg))
-            passed, total = env.evaluate()
-            if passed < total:
-                batch.append(e)
+            batch.append(e)
         ids, attn, is_out, _ = pad_batch(batch, device)
         logp = token_logprobs(model, ids, attn, 1.0)
         mask = (is_out[:, 1:] & attn[:, 1:].bool()).float()
