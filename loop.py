@@ -30,6 +30,8 @@ from tqdm import tqdm
 # 1. Settings
 @dataclass
 class Config:
+    env: str = "appworld"
+    """Environment: appworld (the real AppWorld) or tiny (an offline miniature of it)."""
     model: str = "Qwen/Qwen2.5-32B-Instruct"
     """Hugging Face model id or local path; "tiny" builds a random model from `tiny_model`."""
     tiny_model: dict = field(default_factory=dict)
@@ -58,7 +60,7 @@ class Config:
     """Episode length cap in tokens; the episode ends when the next turn would not fit."""
     max_obs_tokens: int = 3000
     """Environment outputs longer than this are cut, with a note saying so."""
-    code_timeout: float = 5.0
+    code_timeout: float = 30.0
     """Seconds the agent's code may run per turn before it is stopped."""
     temperature: float = 1.0
     """Sampling temperature for training rollouts; log-probs are scored at the same one."""
@@ -133,6 +135,8 @@ def parse_config(argv):
                 sys.exit(print(f"error: {k!r} in {path} must be {t.__name__}, got {v!r}", file=sys.stderr) or 2)
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     cfg = Config(**values)
+    if cfg.env not in ENVS:
+        sys.exit(print(f"error: --env must be one of {', '.join(ENVS)}, got {cfg.env!r}", file=sys.stderr) or 2)
     if cfg.ratio not in ("token", "turn", "trajectory", "none"):
         sys.exit(print(f"error: --ratio must be token, turn, trajectory or none, got {cfg.ratio!r}", file=sys.stderr) or 2)
     if cfg.rollouts_per_task < 2:
@@ -167,7 +171,7 @@ def build_tiny_tokenizer(corpus, vocab_size=1024):
 
 
 def load_model_and_tokenizer(cfg, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config
     if cfg.model == "tiny":
         tok = build_tiny_tokenizer(TinyWorld.corpus())
         torch.manual_seed(cfg.seed)
@@ -175,16 +179,21 @@ def load_model_and_tokenizer(cfg, device):
                            bos_token_id=None, **cfg.tiny_model)
         model = AutoModelForCausalLM.from_config(mcfg)
     else:
-        if not os.path.isdir(cfg.model) and os.path.sep in cfg.model.rstrip(os.path.sep).lstrip("." + os.path.sep):
+        looks_local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1
+        if looks_local and not os.path.isdir(os.path.expanduser(cfg.model)):
             sys.exit(print(f"error: model path {cfg.model} does not exist; give a local directory or a "
                            "Hugging Face id such as Qwen/Qwen2.5-7B-Instruct", file=sys.stderr) or 2)
         try:
-            tok = AutoTokenizer.from_pretrained(cfg.model, padding_side="left")
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32)
         except OSError as e:
-            sys.exit(print(f"error: cannot load model {cfg.model!r}: {e}", file=sys.stderr) or 2)
+            sys.exit(print(f"error: cannot load model {cfg.model!r} (not a local directory, and not in the "
+                           f"Hugging Face cache or reachable): {e}", file=sys.stderr) or 2)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
+    # Hub defaults (top-k, top-p, repetition penalty) would make sampling differ from the plain
+    # softmax at temperature T that the update scores: start from an empty generation config.
+    model.generation_config = GenerationConfig()
     return model.to(device), tok
 
 
@@ -228,15 +237,16 @@ class Chat:
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Environments. Fork here for a new environment: a class with tasks(split), scenario(task_id),
-#    messages(), step(code) -> observation, done, and evaluate() -> (tests passed, tests total).
+# 3. Environments. Fork here for a new environment: a class made as Env(task_id, timeout, experiment)
+#    with tasks(split), scenario(task_id), messages(), step(code) -> observation, done, and
+#    evaluate() -> (tests passed, tests total).
 def extract_code(text):
     """All ```python / ```py blocks joined; an unterminated last block counts; no block -> ""."""
     blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
     return "\n".join(b.rstrip() for b in blocks)
 
 
-class CodeTimeout(Exception):
+class CodeLimit(Exception):
     pass
 
 
@@ -254,14 +264,14 @@ def run_code(code, namespace, timeout, max_chars=20000):
         s = sep.join(map(str, args)) + end
         size[0] += len(s)
         if size[0] > max_chars:
-            raise CodeTimeout(f"output exceeded {max_chars} characters")
+            raise CodeLimit(f"output exceeded {max_chars} characters")
         out.append(s)
 
     deadline = time.monotonic() + timeout
 
     def tracer(frame, event, arg):  # a line-level deadline works in any thread, unlike signals
         if time.monotonic() > deadline:
-            raise CodeTimeout(f"code ran longer than {timeout} s")
+            raise CodeLimit(f"code ran longer than {timeout} s")
         return tracer
 
     namespace["__builtins__"] = dict(SAFE_BUILTINS, print=_print)
@@ -310,8 +320,8 @@ class TinyWorld:
     def scenario(task_id):
         return task_id.split("_")[0]
 
-    def __init__(self, task_id, timeout=5.0, max_obs_chars=20000):
-        self.task_id, self.timeout, self.max_chars = task_id, timeout, max_obs_chars
+    def __init__(self, task_id, timeout=5.0, experiment=None):
+        self.task_id, self.timeout = task_id, timeout
         family, i = task_id[:-4], int(task_id[-4:-2])  # "<family><ii>_<n>"
         rng = random.Random(task_id)
         self.family, self.instruction = family, self.FAMILIES[family]
@@ -361,7 +371,7 @@ class TinyWorld:
                 {"role": "user", "content": self.instruction.format(**self.params)}]
 
     def step(self, code):
-        return run_code(code, self.namespace, self.timeout, self.max_chars)
+        return run_code(code, self.namespace, self.timeout)
 
     def evaluate(self):
         """Checks on the end state; partial credit always points at the full solution."""
@@ -408,6 +418,125 @@ class TinyWorld:
         return text + ["system user assistant", "Execution successful.", "Execution failed. KeyError: ValueError: task completed"]
 
 
+APPWORLD_PROMPT = """You are an AI assistant who acts for your supervisor by operating their apps. You \
+work in a Python REPL: every reply of yours is code in ```python blocks, which runs, and its output \
+comes back to you. The apps are reached through `apis.<app_name>.<api_name>(...)`.
+- Discover what exists with apis.api_docs.show_app_descriptions(), \
+apis.api_docs.show_api_descriptions(app_name=...) and apis.api_docs.show_api_doc(app_name=..., api_name=...).
+- Account credentials: apis.supervisor.show_account_passwords(); the supervisor's details: \
+apis.supervisor.show_profile().
+- Print what you need to see; look before you act; do one small step per reply.
+- When the task is done, call apis.supervisor.complete_task(answer=...) with the answer if the task \
+asks a question, else apis.supervisor.complete_task().
+
+Example. Task: How many notes do I have in Simple Note?
+```python
+print(apis.api_docs.show_api_descriptions(app_name="simple_note"))
+```
+Output: [{"name": "login", ...}, {"name": "search_notes", ...}, ...]
+```python
+passwords = {p["account_name"]: p["password"] for p in apis.supervisor.show_account_passwords()}
+token = apis.simple_note.login(username=apis.supervisor.show_profile()["email"], password=passwords["simple_note"])["access_token"]
+notes, page = [], 0
+while batch := apis.simple_note.search_notes(access_token=token, page_index=page):
+    notes, page = notes + batch, page + 1
+apis.supervisor.complete_task(answer=len(notes))
+```"""
+
+
+def _appworld_worker(conn, task_id, experiment, timeout):
+    """One AppWorld world in its own process (AppWorld allows one world per process)."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    from appworld import AppWorld
+    world = AppWorld(task_id=task_id, experiment_name=experiment, timeout_seconds=int(max(1, timeout)))
+    s = world.task.supervisor
+    conn.send((world.task.instruction, f"{s.first_name} {s.last_name}", s.email, s.phone_number, str(world.task.datetime)))
+    while True:
+        command, code = conn.recv()
+        if command == "execute":
+            conn.send((world.execute(code), world.task_completed()))
+        else:
+            tracker = world.evaluate()
+            world.close()
+            conn.send((tracker.pass_count, tracker.num_tests))
+            return
+
+
+class AppWorldEnv:
+    """The real AppWorld (appworld package). Each episode's world lives in a worker process; one
+    that dies or hangs ends its episode as failed (reward 0) and training goes on."""
+
+    @staticmethod
+    def tasks(split):
+        """Task ids of an AppWorld split, or train_paper: the paper's training set."""
+        try:
+            import appworld
+        except ImportError:
+            sys.exit(print("error: the appworld package is missing: pip install -r requirements.txt", file=sys.stderr) or 2)
+        if not os.path.isdir(os.path.join(os.path.dirname(appworld.__file__), "apps", "supervisor")):
+            from appworld.install import install_package
+            install_package()  # `appworld install`: unpacks the apps shipped in the wheel, offline
+        root = os.environ.get("APPWORLD_ROOT", os.getcwd())
+        name = "train" if split == "train_paper" else split
+        if not os.path.exists(os.path.join(root, "data", "datasets", f"{name}.txt")):
+            sys.exit(print(f"error: no AppWorld data for split {name!r} under {root}/data: run `appworld download data` "
+                           "once (it needs the internet), or set APPWORLD_ROOT to the folder that holds data/",
+                           file=sys.stderr) or 2)
+        from appworld import load_task_ids
+        if split == "train_paper":  # the paper's training set: train tasks of difficulty 1 and 2
+            return load_task_ids("train", difficulty=1) + load_task_ids("train", difficulty=2)
+        return load_task_ids(split)
+
+    @staticmethod
+    def scenario(task_id):
+        return task_id.split("_")[0]
+
+    def __init__(self, task_id, timeout=5.0, experiment="loop"):
+        import multiprocessing as mp
+        self.task_id, self.timeout, self.done, self.failed, self._info = task_id, timeout, False, False, None
+        ctx = mp.get_context("fork")  # the world's process needs none of the model's state
+        self.conn, child = ctx.Pipe()
+        self.worker = ctx.Process(target=_appworld_worker, args=(child, task_id, experiment, timeout), daemon=True)
+        self.worker.start()
+        child.close()  # so that a dead worker reads as EOF here
+
+    def _call(self, message, wait):
+        try:
+            if message is not None:
+                self.conn.send(message)
+            if self.conn.poll(wait):
+                return self.conn.recv()
+        except (EOFError, OSError):
+            pass
+        self.worker.kill()
+        self.failed = self.done = True
+        return None
+
+    def messages(self):  # waits for the world, so that all of an iteration's worlds start at once
+        self._info = self._info or self._call(None, wait=300) or ("(the environment failed to start)",) + ("",) * 4
+        instruction, name, email, phone, date = self._info
+        return [{"role": "system", "content": APPWORLD_PROMPT},
+                {"role": "user", "content": f"Date: {date}\nMy name is {name}, email {email}, phone {phone}.\nTask: {instruction}"}]
+
+    def step(self, code):
+        if self.failed:
+            return "Environment failed."
+        reply = self._call(("execute", code), wait=self.timeout + 60)
+        if reply is None:
+            return "Environment failed: the world stopped answering."
+        output, self.done = reply
+        return output
+
+    def evaluate(self):
+        result = None if self.failed else self._call(("evaluate", None), wait=120)
+        self.worker.join(timeout=5)
+        return result if result is not None else (0, 1)
+
+
+ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
+
+
 # ----------------------------------------------------------------------------------------------
 # 4. Rollouts: the POMDP of paper §4.1. One token sequence per episode; `is_output` marks the
 #    tokens the policy sampled (its actions, stop token included), everything else is context.
@@ -448,9 +577,9 @@ def generate(model, chat, prompts, temperature, max_new_tokens):
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     greedy = temperature <= 0
-    gc = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature, top_k=0, top_p=1.0,
-                          max_new_tokens=max_new_tokens, eos_token_id=chat.stop_ids, pad_token_id=tok.pad_token_id,
-                          output_logits=True, return_dict_in_generate=True)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    gc = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=chat.stop_ids,
+                          pad_token_id=tok.pad_token_id, output_logits=True, return_dict_in_generate=True)
     out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc)
     new = out.sequences[:, width:]
     logits = torch.stack(out.logits, 1).float() / (1.0 if greedy else temperature)
@@ -602,21 +731,24 @@ def update(model, opt, episodes, advantages, cfg):
 
 # ----------------------------------------------------------------------------------------------
 # 8. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
-def make_envs(cfg, task_ids):
-    return [TinyWorld(t, timeout=cfg.code_timeout) for t in task_ids]
+def make_envs(cfg, task_ids, experiment):
+    return [ENVS[cfg.env](t, cfg.code_timeout, experiment) for t in task_ids]
 
 
 def evaluate(model, chat, cfg, split, iteration, run_dir):
-    tasks = TinyWorld.tasks(split)
-    episodes = rollout(model, chat, make_envs(cfg, tasks), tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
-                       desc=f"eval {split}")
+    env, tasks = ENVS[cfg.env], ENVS[cfg.env].tasks(split)
+    experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
+    episodes = rollout(model, chat, make_envs(cfg, tasks, experiment), tasks, cfg, cfg.eval_temperature,
+                       cfg.eval_max_turns, desc=f"eval {split}")
     by_scenario = {}
     for e in episodes:
-        by_scenario.setdefault(TinyWorld.scenario(e.task_id), []).append(e.success)
+        by_scenario.setdefault(env.scenario(e.task_id), []).append(e.success)
     result = {"iteration": iteration, "split": split, "tgc": sum(e.success for e in episodes) / len(episodes),
               "sgc": sum(all(v) for v in by_scenario.values()) / len(by_scenario),
               "reward_mean": sum(e.reward for e in episodes) / len(episodes), "tasks": len(episodes),
               "per_task": {e.task_id: e.success for e in episodes}}
+    if cfg.env == "appworld":  # `appworld evaluate <experiment> <split>` reports the same numbers
+        result["appworld_experiment"] = experiment
     if run_dir:
         os.makedirs(os.path.join(run_dir, "transcripts"), exist_ok=True)
         with open(os.path.join(run_dir, "transcripts", f"{split}_iter{iteration:04d}.txt"), "w") as fh:
@@ -673,6 +805,7 @@ def main(argv=None):
         tqdm.write(json.dumps(brief))
 
     t0 = time.time()
+    ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
     model, tok = load_model_and_tokenizer(cfg, device)
     chat = Chat(tok)
     if cfg.warmup_steps:
@@ -681,12 +814,14 @@ def main(argv=None):
     if cfg.eval:
         return
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    train_tasks, rng = TinyWorld.tasks(cfg.train_split), random.Random(cfg.seed)
+    train_tasks, rng = ENVS[cfg.env].tasks(cfg.train_split), random.Random(cfg.seed)
     for it in tqdm(range(1, cfg.iterations + 1), desc="LOOP", disable=None):
         t = time.time()
         tasks = rng.sample(train_tasks, min(cfg.tasks_per_iteration, len(train_tasks)))
         task_ids = [task for task in tasks for _ in range(cfg.rollouts_per_task)]
-        episodes = rollout(model, chat, make_envs(cfg, task_ids), task_ids, cfg, cfg.temperature, cfg.max_turns)
+        envs = [ENVS[cfg.env](t, cfg.code_timeout, f"loop-train-rollout{i % cfg.rollouts_per_task}")
+                for i, t in enumerate(task_ids)]  # the K worlds of a task save their outputs apart
+        episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
         rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), cfg.rollouts_per_task)
         advantages = loo_advantages(rewards, cfg.normalize_rewards).flatten()
         stats = update(model, opt, episodes, advantages, cfg)

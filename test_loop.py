@@ -138,7 +138,7 @@ def episodes(tiny):
     loop.generate = recording
     try:
         torch.manual_seed(1)
-        eps = loop.rollout(model, chat, loop.make_envs(cfg, tasks), tasks, cfg, 1.0, 3)
+        eps = loop.rollout(model, chat, loop.make_envs(cfg, tasks, None), tasks, cfg, 1.0, 3)
     finally:
         loop.generate = original
     return eps, calls
@@ -348,7 +348,283 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
         assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
         assert len(r["per_task"]) == len(loop.TinyWorld.tasks("test"))
     assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
-    r = _cli("--eval", "--model", str(out / "model"), "--split", "test", "--eval-max-turns", "2",
+    r = _cli("--eval", "--env", "tiny", "--model", str(out / "model"), "--split", "test", "--eval-max-turns", "2",
              "--max-new-tokens", "16", "--out", str(tmp_path / "ev"))
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])["split"] == "test"
+
+
+# Qwen2.5's chat template without its tool-calling branches: a default system prompt when none is
+# given, and a "\n" after every <|im_end|> that belongs to the template, not to the model.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("with_system", [True, False])
+def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
+    cfg, model, _ = tiny
+    tok = loop.build_tiny_tokenizer(loop.TinyWorld.corpus())
+    tok.chat_template = QWEN25_TEMPLATE
+    chat = loop.Chat(tok)
+    assert tok.decode(chat.pre) == "\n<|im_start|>user\n" and tok.decode(chat.post) == "<|im_end|>\n<|im_start|>assistant\n"
+    envs = loop.make_envs(cfg, ["pay02_1", "note04_2"], None)
+    if not with_system:
+        for env in envs:
+            env.messages = (lambda m: lambda: m[1:])(env.messages())
+    torch.manual_seed(3)
+    for e in loop.rollout(model, chat, envs, ["pay02_1", "note04_2"], cfg, 1.0, 3):
+        rendered = tok.apply_chat_template(e.transcript[:-1], tokenize=False)
+        assert rendered.startswith("<|im_start|>system\n" + ("You act" if with_system else "You are Qwen"))
+        closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
+        assert tok.decode(e.ids) + closing == rendered
+
+
+# ---------------------------------------------------------------- AppWorld (the real package, offline)
+# A small data root built from the appworld package's own models and APIs: supervisor Joyce Weaver
+# with simple_note and todoist accounts; scenario 5a0f1c2 (two tasks: create a tagged note) and
+# scenario 9d3e7b4 (copy the chores of a note into a new todoist project, answer their count).
+AW_SUPERVISOR = dict(first_name="Joyce", last_name="Weaver", email="joyce-weav@gmail.com", phone_number="3155673041")
+AW_PASSWORDS = {"simple_note": "qwerty-note-17", "todoist": "todo&pass-42"}
+AW_CHORES = ["Mow the lawn", "Clean the garage", "Water the plants"]
+AW_EVAL_NOTE = '''
+import json
+def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
+    added, updated, removed = models.changed_records("simple_note.Note")
+    with test("""assert exactly one simple_note.Note was added and no existing note changed."""):
+        test.case(len(added), "==", 1)
+        test.case(len(updated) + len(removed), "==", 0)
+    with test("""assert the new note has the requested title and content."""):
+        test.case(added[0].title.strip().lower(), "==", public_data.title.lower())
+        test.case(added[0].content.strip().lower(), "==", public_data.content.lower())
+    with test("""assert the new note has exactly the requested tag."""):
+        test.case([t.strip().lower() for t in added[0].tags], "==", [public_data.tag.lower()])
+    with test("""assert answers match."""):
+        test.answer(json.loads(models.end.supervisor.Task.first().answer), ground_truth_answer)
+'''
+AW_EVAL_PROJECT = '''
+import json
+def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
+    added, _, _ = models.changed_records("todoist.Project")
+    with test("""assert exactly one todoist.Project with the requested name was added."""):
+        test.case(len(added), "==", 1)
+        test.case(added[0].name.strip().lower(), "==", public_data.project_name.lower())
+    with test("""assert the new project's tasks are exactly the chores of the note, in any order."""):
+        titles = [t.title.strip().lower() for t in models.end.todoist.Task.find_all(project_id=added[0].id)]
+        test.case(sorted(titles), "==", sorted(c.lower() for c in private_data.chores))
+    with test("""assert no simple_note data was changed."""):
+        test.case({n for n in models.changed_model_names() if n.startswith("simple_note.")}, "==", set())
+    with test("""assert answers match."""):
+        test.answer(json.loads(models.end.supervisor.Task.first().answer), ground_truth_answer)
+'''
+
+
+def _aw_note(title, content, tag):
+    return dict(instruction=f'Create a note in Simple Note titled "{title}" with the content "{content}" and tag it "{tag}".',
+                public=dict(title=title, content=content, tag=tag), private={}, answer=None, eval=AW_EVAL_NOTE,
+                labels=["no_op_fail"] * 4, apps=["simple_note"])
+
+
+AW_TASKS = {
+    "5a0f1c2_1": _aw_note("Book club", "Read chapters 3-5 by Friday", "reading"),
+    "5a0f1c2_2": _aw_note("Gym plan", "Legs on Monday, arms on Thursday", "fitness"),
+    "9d3e7b4_1": dict(
+        instruction='My Simple Note note titled "Weekend chores" lists one chore per line. Create a Todoist project '
+                    'named "Weekend" with one task per chore (task title = the chore), then tell me how many tasks you created.',
+        public=dict(project_name="Weekend"), private=dict(chores=AW_CHORES), answer=len(AW_CHORES), eval=AW_EVAL_PROJECT,
+        labels=["no_op_fail", "no_op_fail", "no_op_pass", "no_op_fail"], apps=["simple_note", "todoist"],
+        note=dict(title="Weekend chores", content="\n".join(AW_CHORES), tags=["home"])),
+}
+
+
+def build_appworld_root(root, split="fixture"):
+    """Write <root>/data for AW_TASKS (run it in a fresh process: AppWorld keeps global state)."""
+    import textwrap
+    from appworld.install import install_package
+    import appworld
+    if not os.path.isdir(os.path.join(os.path.dirname(appworld.__file__), "apps", "supervisor")):
+        install_package()
+    root = os.path.abspath(root)
+    os.environ["APPWORLD_ROOT"] = root
+    from appworld.api_docs import prepare_api_docs
+    from appworld.apps import get_all_apps
+    from appworld.apps.api_lib import save_local_dbs, set_local_date_and_time, unset_local_date_and_time
+    from appworld.apps.model_lib import CachedDBHandler
+    from appworld.collections.apis import ApiCollection
+    from appworld.collections.models import ModelCollection
+    from appworld.common.constants import CANARY_STRING, DB_VERSION
+    from appworld.common.datetime import DateTime
+    from appworld.common.utils import import_models_module as models
+
+    def dump(obj, *path):
+        os.makedirs(os.path.dirname(os.path.join(*path)), exist_ok=True)
+        with open(os.path.join(*path), "w") as fh:
+            fh.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
+
+    data, apps, when = os.path.join(root, "data"), list(get_all_apps()), "2023-05-18T12:00:00"
+    freezer = set_local_date_and_time(DateTime.fromisoformat(when))
+    try:
+        docs = {app: prepare_api_docs(app) for app in get_all_apps(skip_admin=True)}
+        for app, ds in docs.items():
+            dump({d["api_name"]: {**d, "canary_string": CANARY_STRING} for d in ds}, data, "api_docs", "standard", f"{app}.json")
+        base_mem = ":memory:fixture_base"
+        apis, _ = ApiCollection.load(to_db_home_path=base_mem, from_db_home_path=base_mem, load_apps=apps,
+                                     ignore_private_apis=False, create_db=True, max_num_requests=None)
+        models("api_docs").ApiDoc.save_all([models("api_docs").ApiDoc.create(app_name_=d["app_name"], **{
+            k: d[k] for k in ("api_name", "path", "method", "description", "parameters", "response_schemas")})
+            for ds in docs.values() for d in ds])
+        person = dict(**AW_SUPERVISOR, birthday="1990-06-09", sex="female")
+        main_user, supervisor = models("admin").MainUser.create(**person), models("supervisor").Supervisor.create(**person)
+        main_user.save()
+        supervisor.save()
+        for app, pw in AW_PASSWORDS.items():
+            models("admin").AccountPassword.create(main_user_id=main_user.id, account_name=app, password=pw).save()
+            models("supervisor").AccountPassword.create(supervisor_id=supervisor.id, account_name=app, password=pw).save()
+            models(app).User.create(first_name=AW_SUPERVISOR["first_name"], last_name=AW_SUPERVISOR["last_name"],
+                                    email=AW_SUPERVISOR["email"], password=pw, verified=True).save()
+        token = apis.simple_note.login(username=AW_SUPERVISOR["email"], password=AW_PASSWORDS["simple_note"])["access_token"]
+        apis.simple_note.create_note(title="Grocery list", content="eggs\nmilk", tags=["shopping"], access_token=token)
+        token = apis.todoist.login(username=AW_SUPERVISOR["email"], password=AW_PASSWORDS["todoist"])["access_token"]
+        apis.todoist.create_project(name="Work", access_token=token)
+        base = os.path.join(data, "base_dbs")
+        save_local_dbs(base_mem, base, format="full", app_names=apps, delete_if_exists=True, save_model_hashes=True)
+        ApiCollection.close_all()
+        CachedDBHandler.reset()
+        for tid, spec in AW_TASKS.items():  # each task: base + its supervisor.Task row, saved as changes
+            mem = f":memory:fixture_task-{tid}"
+            mc = ModelCollection.load(to_db_home_path=mem, from_db_home_path=base, load_apps=apps)
+            mc.supervisor.Task.create(supervisor_id=mc.supervisor.Supervisor.first().id, instruction=spec["instruction"]).save()
+            if "note" in spec:
+                mc.simple_note.Note.create(user_id=mc.simple_note.User.find_one(email=AW_SUPERVISOR["email"]).id, **spec["note"]).save()
+            task_dir = os.path.join(data, "tasks", tid)
+            save_local_dbs(mem, os.path.join(task_dir, "dbs"), format="changes", app_names=apps,
+                           delete_if_exists=True, save_model_hashes=True)
+            mc.close()
+            dump(dict(instruction=spec["instruction"], supervisor=AW_SUPERVISOR, datetime=when, db_version=DB_VERSION,
+                      canary_string=CANARY_STRING), task_dir, "specs.json")
+            gt, code = os.path.join(task_dir, "ground_truth"), textwrap.dedent(spec["eval"]).strip() + "\n"
+            requirements = [r.split('"""')[0] for r in code.split('with test("""')[1:]]
+            dump([dict(requirement=r, label=label) for r, label in zip(requirements, spec["labels"], strict=True)], gt, "test_data.json")
+            dump(code, gt, "evaluation.py")
+            dump(spec["public"], gt, "public_data.json")
+            dump(spec["private"], gt, "private_data.json")
+            dump(json.dumps(spec["answer"]), gt, "answer.json")
+            dump(dict(mode="minimal", difficulty=1, num_apps=len(spec["apps"]), num_apis=4, num_solution_code_lines=8), gt, "metadata.json")
+    finally:
+        ApiCollection.close_all()
+        CachedDBHandler.reset()
+        unset_local_date_and_time(freezer)
+    dump("\n".join(AW_TASKS) + "\n", data, "datasets", f"{split}.txt")
+
+
+AW_LOGIN = '''pw = {p["account_name"]: p["password"] for p in apis.supervisor.show_account_passwords()}
+email = apis.supervisor.show_profile()["email"]
+tok = {a: apis[a].login(username=email, password=pw[a])["access_token"] for a in ("simple_note", "todoist")}
+'''
+
+
+def aw_solution(task_id, correct):
+    """A scripted agent's code: right, or wrong in a way that passes some tests."""
+    if task_id.startswith("5a0f1c2"):
+        p = AW_TASKS[task_id]["public"]
+        content, tags = (p["content"], [p["tag"]]) if correct else ("something else", [])
+        return AW_LOGIN + (f'apis.simple_note.create_note(title={p["title"]!r}, content={content!r}, tags={tags!r}, '
+                           'access_token=tok["simple_note"])\napis.supervisor.complete_task()')
+    return AW_LOGIN + f'''nid = apis.simple_note.search_notes(query="Weekend chores", access_token=tok["simple_note"])[0]["note_id"]
+chores = apis.simple_note.show_note(note_id=nid, access_token=tok["simple_note"])["content"].splitlines(){"" if correct else "[:2]"}
+pid = apis.todoist.create_project(name="Weekend", access_token=tok["todoist"])["project_id"]
+for c in chores:
+    apis.todoist.create_task(project_id=pid, title=c, access_token=tok["todoist"])
+apis.supervisor.complete_task(answer=len(chores))'''
+
+
+@pytest.fixture(scope="module")
+def appworld_root(tmp_path_factory):
+    try:
+        import appworld  # noqa: F401
+    except ImportError:
+        pytest.fail("appworld is a required dependency: pip install -r requirements.txt")
+    root = str(tmp_path_factory.mktemp("appworld"))
+    subprocess.run([sys.executable, "-c", f"import test_loop; test_loop.build_appworld_root({root!r})"],
+                   cwd=HERE, check=True, capture_output=True, timeout=300)
+    old = os.environ.get("APPWORLD_ROOT")
+    os.environ["APPWORLD_ROOT"] = root
+    yield root
+    if old is None:
+        os.environ.pop("APPWORLD_ROOT")
+    else:
+        os.environ["APPWORLD_ROOT"] = old
+
+
+def test_appworld_scripted_policy_right_and_wrong(appworld_root):
+    assert loop.AppWorldEnv.tasks("fixture") == list(AW_TASKS)
+    envs = {(t, ok): loop.AppWorldEnv(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS for ok in (True, False)}
+    for (task, correct), env in envs.items():
+        prompt = env.messages()[1]["content"]
+        assert AW_TASKS[task]["instruction"] in prompt and "Joyce Weaver" in prompt and "2023-05-18" in prompt
+        message = f"Let me do it.\n```python\n{aw_solution(task, correct)}\n```"
+        output = env.step(loop.extract_code(message))
+        assert "Execution failed" not in output and env.done, output
+        assert env.evaluate() == ((4, 4) if correct else (2, 4))
+
+
+def test_appworld_rollouts_are_isolated_and_a_dead_worker_fails_its_episode(appworld_root):
+    envs = [loop.AppWorldEnv("5a0f1c2_1", 60.0, f"pytest-iso{k}") for k in range(3)]
+    for env in envs:
+        env.messages()
+    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
+    assert [env.step(count).strip() for env in envs] == ["1", "1", "1"]
+    envs[0].step(aw_solution("5a0f1c2_1", True))
+    assert [env.step(count).strip() for env in envs] == ["2", "1", "1"]  # K=3 worlds of one task, separate state
+    envs[1].worker.kill()
+    assert "failed" in envs[1].step("print(1)") and envs[1].done
+    assert envs[1].evaluate() == (0, 1) and envs[0].evaluate() == (4, 4)
+    envs[2].evaluate()
+
+
+def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_root):
+    import dataclasses
+    cfg = dataclasses.replace(tiny[0], env="appworld", max_new_tokens=12, max_context=4096)
+    model, chat = tiny[1], tiny[2]
+    tasks = ["5a0f1c2_1", "9d3e7b4_1"]
+    torch.manual_seed(5)
+    for e in loop.rollout(model, chat, loop.make_envs(cfg, tasks, "pytest-tiny"), tasks, cfg, 1.0, 2):
+        assert len(e.transcript) == 2 + 2 * (1 + max(e.turn))
+        rendered = chat.tok.apply_chat_template(e.transcript[:-1], tokenize=False)
+        closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
+        assert chat.tok.decode(e.ids) + closing == rendered
+        assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output)) and 0 <= e.reward <= 1
+
+
+def test_appworld_cli_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path):
+    out = tmp_path / "run"
+    r = _cli("--eval", "--env", "appworld", "--split", "fixture", "--tiny", "--warmup-steps", "0", "--max-turns", "2",
+             "--eval-max-turns", "2", "--max-new-tokens", "12", "--max-context", "4096", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["split"] == "fixture" and set(row["per_task"]) == set(AW_TASKS)
+    appworld_cli = os.path.join(os.path.dirname(sys.executable), "appworld")
+    r = subprocess.run([appworld_cli, "evaluate", row["appworld_experiment"], "fixture", "--root", appworld_root],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    path = os.path.join(appworld_root, "experiments", "outputs", row["appworld_experiment"], "evaluations", "fixture.json")
+    with open(path) as fh:
+        official = json.load(fh)["individual"]
+    assert {t: v["success"] for t, v in official.items()} == row["per_task"]
+    assert row["tgc"] == sum(row["per_task"].values()) / 3
+
+
+def test_missing_appworld_data_is_one_clear_message(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), "--eval", "--env", "appworld", "--split", "test_normal",
+                        "--tiny"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                       env={**os.environ, "APPWORLD_ROOT": str(tmp_path)})
+    assert r.returncode == 2 and "appworld download data" in r.stderr and "Traceback" not in r.stderr
