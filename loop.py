@@ -327,7 +327,7 @@ class TinyWorld:
         self.family, self.instruction = family, self.FAMILIES[family]
         self.params = {"name": NAMES[i % len(NAMES)], "topic": TOPICS[i % len(TOPICS)], "amount": rng.randint(1, 5)}
         self.phones = {n: f"555-{rng.randint(1000, 9999)}" for n in NAMES}
-        self.balance, self.transfers, self.notes, self.requests, self.pinned = rng.randint(20, 99), [], [], [], []
+        self.balance, self.transfers, self.notes = rng.randint(20, 99), [], []
         self.answer, self.done = None, False
         self.namespace = {"apis": self._apis()}
 
@@ -356,14 +356,10 @@ class TinyWorld:
             w.answer, w.done = answer, True
             return "task completed"
 
-        def request(name, amount):
-            phone(name)
-            w.requests.append((name, amount))
-            return "requested"
-
+        # call, request and pin serve only the warm-up's request families; no check reads them
         return ns(contacts=ns(phone=phone, call=lambda name: f"calling {phone(name)}"),
-                  bank=ns(balance=lambda: w.balance, send=send, request=request),
-                  notes=ns(create=create, pin=lambda title: w.pinned.append(title)),
+                  bank=ns(balance=lambda: w.balance, send=send, request=lambda name, amount: phone(name) and "requested"),
+                  notes=ns(create=create, pin=lambda title: f"pinned {title}"),
                   supervisor=ns(complete_task=complete_task))
 
     def messages(self):
@@ -736,7 +732,8 @@ def make_envs(cfg, task_ids, experiment):
 
 
 def evaluate(model, chat, cfg, split, iteration, run_dir):
-    env, tasks = ENVS[cfg.env], ENVS[cfg.env].tasks(split)
+    env = ENVS[cfg.env]
+    tasks = env.tasks(split)
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
     episodes = rollout(model, chat, make_envs(cfg, tasks, experiment), tasks, cfg, cfg.eval_temperature,
                        cfg.eval_max_turns, desc=f"eval {split}")
@@ -819,8 +816,8 @@ def main(argv=None):
         t = time.time()
         tasks = rng.sample(train_tasks, min(cfg.tasks_per_iteration, len(train_tasks)))
         task_ids = [task for task in tasks for _ in range(cfg.rollouts_per_task)]
-        envs = [ENVS[cfg.env](t, cfg.code_timeout, f"loop-train-rollout{i % cfg.rollouts_per_task}")
-                for i, t in enumerate(task_ids)]  # the K worlds of a task save their outputs apart
+        envs = [ENVS[cfg.env](task, cfg.code_timeout, f"loop-train-rollout{i % cfg.rollouts_per_task}")
+                for i, task in enumerate(task_ids)]  # the K worlds of a task save their outputs apart
         episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
         rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), cfg.rollouts_per_task)
         advantages = loo_advantages(rewards, cfg.normalize_rewards).flatten()
