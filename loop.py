@@ -18,10 +18,12 @@ import random
 import re
 import sys
 import time
+import types
 import typing
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -99,7 +101,28 @@ class Config:
     warmup_lr: float = 1e-3
     """Learning rate of the format warm-up."""
     batch_episodes: int = 256
-    """Episodes generated together in one batch."""
+    """Episodes generated together in one batch (per rank); bounds the KV cache."""
+    logprob_chunk: int = 512
+    """Positions per chunk of the vocabulary projection in the update, so [tokens x vocab] logits never exist."""
+    fsdp: bool = False
+    """Shard weights, gradients and optimizer state over the ranks with FSDP2 (launch with torchrun)."""
+    bf16: bool = False
+    """bf16 compute; weights, gradients and optimizer state stay fp32 (a LoRA base stays bf16)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: long episodes fit in less memory."""
+    lora: bool = False
+    """Train a LoRA adapter (the paper's: rank 16, alpha 32, dropout 0, all projections), not all weights."""
+    checkpoint_every: int = 1
+    """Write a checkpoint (weights, optimizer, RNG states) every this many iterations; 0 = never."""
+    resume: str = ""
+    """Run directory to continue from its last complete checkpoint (its config.json is the base)."""
+    bench: bool = False
+    """Measure the update's memory and time against fine-tuning, chunked log-probs and batched rollouts."""
+
+
+def die(message):
+    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
+    sys.exit(print(f"error: {message}", file=sys.stderr) or 2)
 
 
 def parse_config(argv):
@@ -117,30 +140,32 @@ def parse_config(argv):
         else:
             p.add_argument(flag, type=json.loads if t is dict else t, default=None, help=f.__doc__)
     args = p.parse_args(argv)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.json") if args.tiny else args.config
+    tiny = args.tiny or (args.bench and not args.config)  # the benchmark's default model is the tiny one
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.json") if tiny else args.config
+    path = path or (args.resume and os.path.join(args.resume, "config.json"))
     values = {}
     if path:
         try:
             with open(path) as fh:
                 values = json.load(fh)
         except (OSError, json.JSONDecodeError) as e:
-            sys.exit(print(f"error: cannot read config {path}: {e}", file=sys.stderr) or 2)
+            die(f"cannot read config {path}: {e}")
         for k, v in values.items():
             if k not in fields:
-                sys.exit(print(f"error: unknown key {k!r} in {path}; valid keys: {', '.join(fields)}", file=sys.stderr) or 2)
+                die(f"unknown key {k!r} in {path}; valid keys: {', '.join(fields)}")
             t = hints[k]
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) if t is float else (
                 isinstance(v, t) and (t is bool or not isinstance(v, bool)))
             if not ok:
-                sys.exit(print(f"error: {k!r} in {path} must be {t.__name__}, got {v!r}", file=sys.stderr) or 2)
+                die(f"{k!r} in {path} must be {t.__name__}, got {v!r}")
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     cfg = Config(**values)
     if cfg.env not in ENVS:
-        sys.exit(print(f"error: --env must be one of {', '.join(ENVS)}, got {cfg.env!r}", file=sys.stderr) or 2)
+        die(f"--env must be one of {', '.join(ENVS)}, got {cfg.env!r}")
     if cfg.ratio not in ("token", "turn", "trajectory", "none"):
-        sys.exit(print(f"error: --ratio must be token, turn, trajectory or none, got {cfg.ratio!r}", file=sys.stderr) or 2)
+        die(f"--ratio must be token, turn, trajectory or none, got {cfg.ratio!r}")
     if cfg.rollouts_per_task < 2:
-        sys.exit(print("error: --rollouts-per-task must be >= 2 for leave-one-out advantages", file=sys.stderr) or 2)
+        die("--rollouts-per-task must be >= 2 for leave-one-out advantages")
     return cfg
 
 
@@ -181,20 +206,78 @@ def load_model_and_tokenizer(cfg, device):
     else:
         looks_local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1
         if looks_local and not os.path.isdir(os.path.expanduser(cfg.model)):
-            sys.exit(print(f"error: model path {cfg.model} does not exist; give a local directory or a "
-                           "Hugging Face id such as Qwen/Qwen2.5-7B-Instruct", file=sys.stderr) or 2)
-        try:
+            die(f"model path {cfg.model} does not exist; give a local directory or a "
+                "Hugging Face id such as Qwen/Qwen2.5-7B-Instruct")
+        try:  # bf16 on the host halves its memory per rank; full fine-tuning upcasts after sharding
             tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
-            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model),
+                                                         dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
         except OSError as e:
-            sys.exit(print(f"error: cannot load model {cfg.model!r} (not a local directory, and not in the "
-                           f"Hugging Face cache or reachable): {e}", file=sys.stderr) or 2)
+            die(f"cannot load model {cfg.model!r} (not a local directory, and not in the "
+                f"Hugging Face cache or reachable): {e}")
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
     # Hub defaults (top-k, top-p, repetition penalty) would make sampling differ from the plain
     # softmax at temperature T that the update scores: start from an empty generation config.
     model.generation_config = GenerationConfig()
-    return model.to(device), tok
+    chunked_logprob_head(model.get_output_embeddings(), cfg.logprob_chunk)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer_names = set(model._no_split_modules)  # the decoder layer class: the unit FSDP shards by
+    if cfg.lora:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            die("--lora needs peft: pip install peft")
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    if cfg.fsdp:  # each rank keeps 1/G of every tensor; layers are gathered one at a time to compute
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cfg.bf16 else MixedPrecisionPolicy()
+        for m in model.modules():
+            if type(m).__name__ in layer_names:
+                fully_shard(m, mp_policy=mp)
+        # the root is the HF model inside peft's wrapper: generate() calls it without the wrapper
+        fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=mp)  # moves shards to the device
+    model = model.to(device)
+    return (model if cfg.lora else model.float()), tok
+
+
+def chunked_logprob_head(head, chunk):
+    """While `head.targets` is set, the LM head returns log p(target) per position instead of
+    logits, projecting `chunk` positions at a time and recomputing each chunk in backward: the
+    [tokens x vocab] logits (19 GB for 32k tokens of Qwen's 152k vocabulary) never exist at once.
+    It runs inside the model's forward so that FSDP has the head's weights gathered."""
+    head.targets, head.temperature, head.chunk = None, 1.0, chunk
+    head.forward = types.MethodType(_logprob_head_forward, head)  # a bound method survives deepcopy
+
+
+def _logprob_head_forward(self, h):
+    if self.targets is None:
+        return F.linear(h, self.weight, self.bias)
+    y, c = self.targets.reshape(-1), self.chunk
+    h = h[:, :self.targets.shape[1]].reshape(len(y), -1)
+    return torch.cat([torch.utils.checkpoint.checkpoint(_logprob_piece, h[s:s + c], self.weight, self.bias, y[s:s + c],
+                                                        self.temperature, use_reentrant=False)
+                      for s in range(0, len(y), c)]).view(self.targets.shape)
+
+
+def _logprob_piece(h, weight, bias, y, temperature):
+    logits = F.linear(h, weight, bias).float().div_(temperature)  # in place: one [chunk x vocab] tensor less
+    return logits.gather(-1, y[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def rank_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def all_reduce(values, op="sum"):
+    """Sum (or max) a list of numbers over the ranks; unchanged in one process."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.tolist()
 
 
 class Chat:
@@ -469,16 +552,15 @@ class AppWorldEnv:
         try:
             import appworld
         except ImportError:
-            sys.exit(print("error: the appworld package is missing: pip install -r requirements.txt", file=sys.stderr) or 2)
+            die("the appworld package is missing: pip install -r requirements.txt")
         if not os.path.isdir(os.path.join(os.path.dirname(appworld.__file__), "apps", "supervisor")):
             from appworld.install import install_package
             install_package()  # `appworld install`: unpacks the apps shipped in the wheel, offline
         root = os.environ.get("APPWORLD_ROOT", os.getcwd())
         name = "train" if split == "train_paper" else split
         if not os.path.exists(os.path.join(root, "data", "datasets", f"{name}.txt")):
-            sys.exit(print(f"error: no AppWorld data for split {name!r} under {root}/data: run `appworld download data` "
-                           "once (it needs the internet), or set APPWORLD_ROOT to the folder that holds data/",
-                           file=sys.stderr) or 2)
+            die(f"no AppWorld data for split {name!r} under {root}/data: run `appworld download data` "
+                "once (it needs the internet), or set APPWORLD_ROOT to the folder that holds data/")
         from appworld import load_task_ids
         if split == "train_paper":  # the paper's training set: train tasks of difficulty 1 and 2
             return load_task_ids("train", difficulty=1) + load_task_ids("train", difficulty=2)
@@ -543,67 +625,60 @@ class Episode:
     ids: list
     is_output: list
     turn: list  # turn index of each sampled token, -1 for context tokens
-    sample_logp: list  # log-prob of each token when it was sampled (0 for context)
     transcript: list
     done: bool = False
     reward: float = 0.0
     success: bool = False
 
-    def add(self, ids, output=False, turn=-1, logps=None):
+    def add(self, ids, output=False, turn=-1):
         self.ids += ids
         self.is_output += [output] * len(ids)
         self.turn += [turn] * len(ids)
-        self.sample_logp += logps if logps is not None else [0.0] * len(ids)
 
 
 def new_episode(env, task_id, chat):
     messages = env.messages()
-    e = Episode(task_id, env, [], [], [], [], list(messages))
+    e = Episode(task_id, env, [], [], [], list(messages))
     e.add(chat.prompt(messages))
     return e
 
 
 @torch.no_grad()
 def generate(model, chat, prompts, temperature, max_new_tokens):
-    """Sample one turn for a batch of episodes; returns per episode the sampled ids (cut after the
-    first stop token) and their log-probs under the sampling distribution."""
+    """Sample one turn for a batch of episodes; returns each one's sampled ids, cut after the
+    first stop token. The update rescores them, so no per-step logits are kept here."""
     from transformers import GenerationConfig
     tok, device = chat.tok, next(model.parameters()).device
     width = max(map(len, prompts))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    greedy = temperature <= 0
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    gc = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=chat.stop_ids,
-                          pad_token_id=tok.pad_token_id, output_logits=True, return_dict_in_generate=True)
-    out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc)
-    new = out.sequences[:, width:]
-    logits = torch.stack(out.logits, 1).float() / (1.0 if greedy else temperature)
-    logps = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-    result = []
-    for row, lp in zip(new.tolist(), logps.tolist()):
-        n = next((i + 1 for i, t in enumerate(row) if t in chat.stop_ids), len(row))
-        result.append((row[:n], lp[:n]))
-    return result
+    sampling = dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    gc = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=chat.stop_ids, pad_token_id=tok.pad_token_id)
+    # synced: under FSDP a rank that is done keeps joining the others' forward passes
+    out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc, synced_gpus=dist.is_initialized())
+    rows = out[:, width:].tolist()
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in chat.stop_ids), len(row))] for row in rows]
 
 
 def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout"):
     """Play all episodes to the end, one batched generation per turn for every live episode."""
     model.eval()
     episodes = [new_episode(env, t, chat) for env, t in zip(envs, task_ids)]
-    for turn in tqdm(range(max_turns), desc=desc, leave=False, disable=None):
+    for turn in tqdm(range(max_turns), desc=desc, leave=False, disable=None if rank_world()[0] == 0 else True):
         for e in episodes:
             e.done = e.done or len(e.ids) >= cfg.max_context
         live = [e for e in episodes if not e.done]
-        if not live:
+        # Every rank runs as many generations as the busiest one (FSDP's collectives must match)
+        n_batches = int(all_reduce([math.ceil(len(live) / cfg.batch_episodes)], "max")[0])
+        if not n_batches:
             break
-        room = max(cfg.max_context - len(e.ids) for e in live)
-        for s in range(0, len(live), cfg.batch_episodes):
+        room = max((cfg.max_context - len(e.ids) for e in live), default=1)
+        for s in range(0, n_batches * cfg.batch_episodes, cfg.batch_episodes):
             batch = live[s:s + cfg.batch_episodes]
-            for e, (new, lps) in zip(batch, generate(model, chat, [e.ids for e in batch], temperature,
-                                                      min(cfg.max_new_tokens, room))):
-                new, lps = new[:cfg.max_context - len(e.ids)], lps[:cfg.max_context - len(e.ids)]
-                e.add(new, output=True, turn=turn, logps=lps)
+            outs = generate(model, chat, [e.ids for e in batch] or [[chat.eot]], temperature, min(cfg.max_new_tokens, room))
+            for e, new in zip(batch, outs):
+                new = new[:cfg.max_context - len(e.ids)]
+                e.add(new, output=True, turn=turn)
                 text = chat.tok.decode(new, skip_special_tokens=True)  # whole turns only: bytes stay intact
                 obs = chat.truncate(e.env.step(extract_code(text)), cfg.max_obs_tokens)
                 e.transcript += [{"role": "assistant", "content": text}, {"role": "user", "content": obs}]
@@ -663,60 +738,74 @@ def pad_batch(episodes, device):
 
 
 def token_logprobs(model, ids, attn, temperature):
-    """log p(x_t | x_<t) of each next token [B, T-1], at the sampling temperature."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    return torch.log_softmax(logits / max(temperature, 1e-6), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    """log p(x_t | x_<t) of each next token [B, T-1] at the sampling temperature, in chunks."""
+    head = model.get_output_embeddings()
+    head.targets, head.temperature = ids[:, 1:], max(temperature, 1e-6)
+    try:
+        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    finally:
+        head.targets = None
 
 
 def update(model, opt, episodes, advantages, cfg):
-    """PPO epochs over the iteration's rollouts with the per-token clipped objective."""
+    """PPO epochs over the iteration's rollouts with the per-token clipped objective. Under FSDP a
+    minibatch spans the ranks (each takes its share of its own rollouts) and every rank runs the
+    same number of passes, an empty one where it has run out, so that collectives always match."""
+    rank, world = rank_world()
     device = next(model.parameters()).device
     keep = [i for i, a in enumerate(advantages.tolist()) if abs(a) >= cfg.min_abs_advantage]
-    stats = {"rollouts_used": len(keep), "steps": 0, "skipped_nan": 0, "abandoned": False,
+    counts = all_reduce([len(keep) * (r == rank) for r in range(world)])  # rollouts kept per rank
+    stats = {"rollouts_used": int(sum(counts)), "steps": 0, "skipped_nan": 0, "abandoned": False,
              "kl": 0.0, "clip_fraction": 0.0, "loss": 0.0, "grad_norm": 0.0}
-    if not keep:
+    if not sum(counts):
         return stats
-    micro = lambda idx: [idx[s:s + cfg.micro_batch_size] for s in range(0, len(idx), cfg.micro_batch_size)]  # noqa: E731
+    share = math.ceil(cfg.minibatch_size / world)  # this rank's part of a minibatch
+    passes = lambda sizes: max(math.ceil(n / cfg.micro_batch_size) for n in sizes)  # noqa: E731
+    micro = lambda idx, n: [idx[j * cfg.micro_batch_size:(j + 1) * cfg.micro_batch_size] for j in range(n)]  # noqa: E731
+    filler = Episode("", None, [0, 0], [False, False], [-1, -1], [])  # no output tokens: zero loss
+    batch = lambda chunk: pad_batch([episodes[i] for i in chunk] or [filler], device)  # noqa: E731
     model.eval()  # psi: old log-probs from the same model, right before the update, same temperature
     old = {}
     with torch.no_grad():
-        for chunk in micro(keep):
-            ids, attn, _, _ = pad_batch([episodes[i] for i in chunk], device)
-            for i, lp in zip(chunk, token_logprobs(model, ids, attn, cfg.temperature)):
+        for chunk in micro(keep, passes(counts)):
+            for i, lp in zip(chunk, token_logprobs(model, *batch(chunk)[:2], cfg.temperature)):
                 old[i] = lp[:len(episodes[i].ids) - 1]
     model.train()
+    params = [p for group in opt.param_groups for p in group["params"]]  # FSDP's sharded ones, not its gathered views
     kls, clipped, outputs, losses, norms = [], 0, 0, [], []
     for _ in range(cfg.epochs):
         order = random.sample(keep, len(keep))
-        for s in range(0, len(order), cfg.minibatch_size):
+        for j in range(max(math.ceil(n / share) for n in counts)):
+            sizes = [min(share, max(0, n - j * share)) for n in counts]  # every rank's part of this minibatch
             opt.zero_grad(set_to_none=True)
-            mb_loss, mb_kl, mb_clipped, mb_out = 0.0, 0.0, 0, 0
-            for chunk in micro(order[s:s + cfg.minibatch_size]):
-                ids, attn, is_out, turn = pad_batch([episodes[i] for i in chunk], device)
+            mb = [0.0, 0.0, 0, 0]  # loss sum, KL sum, clipped tokens, output tokens
+            for chunk in micro(order[j * share:(j + 1) * share], passes(sizes)):
+                ids, attn, is_out, turn = batch(chunk)
                 logp = token_logprobs(model, ids, attn, cfg.temperature)
-                old_lp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True)
+                old_lp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True) if chunk else logp.detach()
                 mask = is_out[:, 1:] & attn[:, 1:].bool()
-                per_rollout, n_clip = loop_loss(logp, old_lp, advantages[chunk].to(device), mask, turn[:, 1:],
-                                                cfg.ratio, cfg.clip_eps)
-                loss = per_rollout.sum() / cfg.minibatch_size  # sum over rollouts / minibatch size
-                loss.backward()
-                mb_loss += loss.item()
-                mb_kl += -(((logp - old_lp) * mask).sum(1)).sum().item()
-                mb_clipped, mb_out = mb_clipped + n_clip.item(), mb_out + mask.sum().item()
-            kl = mb_kl / len(order[s:s + cfg.minibatch_size])
+                adv = advantages[chunk].to(device) if chunk else torch.zeros(1, device=device)
+                per_rollout, n_clip = loop_loss(logp, old_lp, adv, mask, turn[:, 1:], cfg.ratio, cfg.clip_eps)
+                # sum over rollouts / minibatch size; x world because FSDP averages gradients over ranks
+                (per_rollout.sum() * world / cfg.minibatch_size).backward()
+                mb = [a + b for a, b in zip(mb, [per_rollout.sum().item(), -((logp - old_lp) * mask).sum().item(),
+                                                  n_clip.item(), mask.sum().item()])]
+            loss_sum, kl_sum, mb_clipped, mb_out = all_reduce(mb)
+            kl = kl_sum / sum(sizes)
             kls.append(kl)
             if abs(kl) > cfg.max_kl:  # the policy moved too far: stop using these rollouts
                 opt.zero_grad(set_to_none=True)
                 stats["abandoned"] = True
                 break
-            if not math.isfinite(mb_loss):
+            if not math.isfinite(loss_sum):
                 opt.zero_grad(set_to_none=True)
                 stats["skipped_nan"] += 1
                 continue
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item())
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
             opt.step()
             stats["steps"] += 1
-            losses.append(mb_loss)
+            losses.append(loss_sum / cfg.minibatch_size)
             clipped, outputs = clipped + mb_clipped, outputs + mb_out
         if stats["abandoned"]:
             break
@@ -733,20 +822,26 @@ def make_envs(cfg, task_ids, experiment):
 
 def evaluate(model, chat, cfg, split, iteration, run_dir):
     env = ENVS[cfg.env]
-    tasks = env.tasks(split)
+    rank, world = rank_world()
+    tasks = env.tasks(split)[rank::world]  # each rank plays its share; rank 0 gathers the results
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
     episodes = rollout(model, chat, make_envs(cfg, tasks, experiment), tasks, cfg, cfg.eval_temperature,
                        cfg.eval_max_turns, desc=f"eval {split}")
+    results = [[(e.task_id, e.success, e.reward) for e in episodes]]
+    if world > 1:
+        results = [None] * world
+        dist.all_gather_object(results, [(e.task_id, e.success, e.reward) for e in episodes])
+    results = [r for part in results for r in part]
     by_scenario = {}
-    for e in episodes:
-        by_scenario.setdefault(env.scenario(e.task_id), []).append(e.success)
-    result = {"iteration": iteration, "split": split, "tgc": sum(e.success for e in episodes) / len(episodes),
+    for task_id, success, _ in results:
+        by_scenario.setdefault(env.scenario(task_id), []).append(success)
+    result = {"iteration": iteration, "split": split, "tgc": sum(r[1] for r in results) / len(results),
               "sgc": sum(all(v) for v in by_scenario.values()) / len(by_scenario),
-              "reward_mean": sum(e.reward for e in episodes) / len(episodes), "tasks": len(episodes),
-              "per_task": {e.task_id: e.success for e in episodes}}
+              "reward_mean": sum(r[2] for r in results) / len(results), "tasks": len(results),
+              "per_task": {task_id: success for task_id, success, _ in results}}
     if cfg.env == "appworld":  # `appworld evaluate <experiment> <split>` reports the same numbers
         result["appworld_experiment"] = experiment
-    if run_dir:
+    if run_dir and rank == 0:
         os.makedirs(os.path.join(run_dir, "transcripts"), exist_ok=True)
         with open(os.path.join(run_dir, "transcripts", f"{split}_iter{iteration:04d}.txt"), "w") as fh:
             for e in episodes[:cfg.num_transcripts]:
@@ -756,7 +851,59 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Main: format warm-up (tiny only), then iterations of rollouts -> advantages -> update
+# 9. Checkpoints: trainable weights (the adapter with LoRA) and optimizer state by name through
+#    torch.distributed.checkpoint, one shard per rank, loadable by any number of ranks
+def _train_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {"model": {k: v for k, v in model_sd.items() if k in names}, "optim": optim_sd}
+
+
+def save_checkpoint(run_dir, model, opt, iteration, task_rng):
+    """Written under a temporary name, then renamed: a killed run leaves the last complete one."""
+    import shutil
+    import torch.distributed.checkpoint as dcp
+    rank, world = rank_world()
+    path, tmp = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dcp.save(_train_state(model, opt), checkpoint_id=tmp)  # all ranks; returns when written
+    torch.save({"iteration": iteration, "python": random.getstate(), "tasks": task_rng.getstate(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, os.path.join(tmp, f"rng{rank}.pt"))
+    if world > 1:
+        dist.barrier()  # every rank's files are in place
+    if rank == 0:  # (the next save's collectives keep the other ranks from writing before this is done)
+        if os.path.isdir(path):
+            os.replace(path, path + ".old")  # between the two renames, checkpoint.old is the complete one
+        os.replace(tmp, path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+def load_checkpoint(run_dir, model, opt, task_rng):
+    """Restore weights, optimizer and RNG states; returns the iteration the checkpoint finished."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    path = next((p for p in (os.path.join(run_dir, n) for n in ("checkpoint", "checkpoint.old")) if os.path.isdir(p)), None)
+    if path is None:
+        die(f"no checkpoint in {run_dir} to resume from")
+    state = _train_state(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
+    own = os.path.join(path, f"rng{rank_world()[0]}.pt")  # absent if the run had fewer ranks: keep a fresh seed
+    rng = torch.load(own if os.path.exists(own) else os.path.join(path, "rng0.pt"), weights_only=False)
+    random.setstate(rng["python"])
+    task_rng.setstate(rng["tasks"])
+    if os.path.exists(own):
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    return rng["iteration"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. Main: format warm-up (tiny only), then iterations of rollouts -> advantages -> update
 def warmup(model, chat, cfg):
     """Teach a random model the action format, a stand-in for instruction tuning, on
     demonstrations that solve no train or test task (TinyWorld.demo)."""
@@ -786,52 +933,144 @@ def warmup(model, chat, cfg):
 
 def main(argv=None):
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    import warnings
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one-process checkpoints are fine
+    if cfg.bench:
+        return print(json.dumps(bench(cfg), indent=1))
+    if cfg.fsdp:
+        if "RANK" not in os.environ:
+            die("--fsdp runs under torchrun: torchrun --nproc_per_node G loop.py --fsdp ...")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = rank_world()
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run_dir = cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as fh:
-        json.dump(dataclasses.asdict(cfg), fh, indent=1)
-    metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    run_dir = cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as fh:
+            json.dump(dataclasses.asdict(cfg) | {"resume": ""}, fh, indent=1)
 
-    def log(row):
-        metrics.write(json.dumps(row) + "\n")
-        metrics.flush()
-        brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "per_task"}
-        tqdm.write(json.dumps(brief))
+    def log(row):  # rank 0 only; the numbers are already reduced over ranks
+        if rank == 0:
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            tqdm.write(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "per_task"}))
 
     t0 = time.time()
     ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
     model, tok = load_model_and_tokenizer(cfg, device)
+    torch.manual_seed(cfg.seed + rank)  # one model, but each rank samples its own rollouts
     chat = Chat(tok)
-    if cfg.warmup_steps:
-        warmup(model, chat, cfg)
-    log(evaluate(model, chat, cfg, cfg.split, 0, run_dir) | {"seconds": round(time.time() - t0, 1)})
-    if cfg.eval:
-        return
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    train_tasks, rng = ENVS[cfg.env].tasks(cfg.train_split), random.Random(cfg.seed)
-    for it in tqdm(range(1, cfg.iterations + 1), desc="LOOP", disable=None):
-        t = time.time()
-        tasks = rng.sample(train_tasks, min(cfg.tasks_per_iteration, len(train_tasks)))
-        task_ids = [task for task in tasks for _ in range(cfg.rollouts_per_task)]
-        envs = [ENVS[cfg.env](task, cfg.code_timeout, f"loop-train-rollout{i % cfg.rollouts_per_task}")
-                for i, task in enumerate(task_ids)]  # the K worlds of a task save their outputs apart
-        episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
-        rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), cfg.rollouts_per_task)
-        advantages = loo_advantages(rewards, cfg.normalize_rewards).flatten()
-        stats = update(model, opt, episodes, advantages, cfg)
-        log({"iteration": it, "reward_mean": rewards.mean().item(),
-             "success_rate": sum(e.success for e in episodes) / len(episodes),
-             "turns_mean": sum(1 + max(e.turn) for e in episodes) / len(episodes),
-             "tokens_mean": sum(len(e.ids) for e in episodes) / len(episodes), **stats,
-             "seconds": round(time.time() - t, 2)})
-        if it % cfg.eval_every == 0 or it == cfg.iterations:
-            log(evaluate(model, chat, cfg, cfg.split, it, run_dir) | {"seconds": round(time.time() - t0, 1)})
-    model.save_pretrained(os.path.join(run_dir, "model"))
-    tok.save_pretrained(os.path.join(run_dir, "model"))
-    metrics.close()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    task_rng, start = random.Random(cfg.seed), 0
+    amp = torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp)  # FSDP: its policy
+    with amp:
+        if cfg.resume:
+            start = load_checkpoint(run_dir, model, opt, task_rng)
+            if rank == 0:  # rows of the unfinished iteration would be logged twice
+                path = os.path.join(run_dir, "metrics.jsonl")
+                rows = [line for line in open(path) if json.loads(line)["iteration"] <= start]
+                open(path, "w").writelines(rows)
+        else:
+            if cfg.warmup_steps:
+                warmup(model, chat, cfg)
+            log(evaluate(model, chat, cfg, cfg.split, 0, run_dir) | {"seconds": round(time.time() - t0, 1)})
+            if cfg.eval:
+                return
+        train_tasks = ENVS[cfg.env].tasks(cfg.train_split)
+        for it in tqdm(range(start + 1, cfg.iterations + 1), desc="LOOP", disable=rank != 0):
+            t = time.time()
+            tasks = task_rng.sample(train_tasks, min(cfg.tasks_per_iteration, len(train_tasks)))[rank::world]
+            task_ids = [task for task in tasks for _ in range(cfg.rollouts_per_task)]  # a task's K rollouts share a rank
+            envs = [ENVS[cfg.env](task, cfg.code_timeout, f"loop-train-rollout{i % cfg.rollouts_per_task}")
+                    for i, task in enumerate(task_ids)]  # the K worlds of a task save their outputs apart
+            episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
+            rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), cfg.rollouts_per_task)
+            advantages = loo_advantages(rewards, cfg.normalize_rewards).flatten()
+            stats = update(model, opt, episodes, advantages, cfg)
+            n, reward, success, turns, tokens = all_reduce([len(episodes), rewards.sum().item(), sum(e.success for e in episodes),
+                                                            sum(1 + max(e.turn) for e in episodes), sum(len(e.ids) for e in episodes)])
+            log({"iteration": it, "reward_mean": reward / n, "success_rate": success / n, "turns_mean": turns / n,
+                 "tokens_mean": tokens / n, **stats, "seconds": round(time.time() - t, 2)})
+            if it % cfg.eval_every == 0 or it == cfg.iterations:
+                log(evaluate(model, chat, cfg, cfg.split, it, run_dir) | {"seconds": round(time.time() - t0, 1)})
+            if cfg.checkpoint_every and (it % cfg.checkpoint_every == 0 or it == cfg.iterations):
+                save_checkpoint(run_dir, model, opt, it, task_rng)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # the full weights (or the LoRA adapter), loadable with from_pretrained
+        model.save_pretrained(os.path.join(run_dir, "model"), state_dict=state)
+        tok.save_pretrained(os.path.join(run_dir, "model"))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# 11. Benchmark: each figure is measured in a fresh process (CPU: peak RSS; CUDA: allocator peaks)
+def _measure(name, cfg):
+    """Peak extra memory (bytes), seconds and result of one workload, in a fresh process."""
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name in ("chunked", "full"):  # log-probs of 8192 tokens under a 151,936-token vocabulary, forward and backward
+        head = torch.nn.Linear(64, 151936, bias=False, device=device)
+        chunked_logprob_head(head, cfg.logprob_chunk if name == "chunked" else 8192)
+        h, head.targets = torch.randn(1, 8192, 64, device=device, requires_grad=True), torch.randint(0, 151936, (1, 8192), device=device)
+        work = lambda: head(h).sum().backward()  # noqa: E731
+    else:
+        model, tok = load_model_and_tokenizer(cfg, device)
+        chat, opt = Chat(tok), torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        out = [t % 128 >= 64 for t in range(512)]  # 4 turns: 64 context tokens, then 64 sampled ones
+        episodes = [Episode("", None, torch.randint(0, len(tok), (512,)).tolist(), out,
+                            [t // 128 if o else -1 for t, o in enumerate(out)], []) for _ in range(8)]
+        prompts = [chat.prompt(TinyWorld(t).messages()) for t in TinyWorld.tasks("test")[:8]]
+
+        def sft():  # plain fine-tuning on the same tokens: mean log-likelihood of the output tokens
+            ids, attn, is_out, _ = pad_batch(episodes, device)
+            opt.zero_grad(set_to_none=True)
+            (-(token_logprobs(model, ids, attn, 1.0) * is_out[:, 1:]).sum() / is_out.sum()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+        def tokens_per_second(batches):
+            t = time.perf_counter()
+            return sum(len(ids) for b in batches for ids in generate(model, chat, b, 1.0, 64)) / (time.perf_counter() - t)
+        work = {"loop": lambda: update(model, opt, episodes, torch.tensor([1.0, -1.0] * 4), cfg), "sft": sft,
+                "rollout": lambda: tokens_per_second([prompts]) / tokens_per_second([[p] for p in prompts])}[name]
+        work()  # untimed: optimizer state and caches exist before the measurement
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        peak, base = torch.cuda.max_memory_allocated, torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets the peak resident set size
+        peak = lambda key="VmHWM": int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith(key))) * 1024  # noqa: E731
+        base = peak("VmRSS")
+    t = time.perf_counter()
+    result = work()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    return peak() - base, seconds, result
+
+
+def bench(cfg):
+    import multiprocessing as mp
+    cfg = dataclasses.replace(cfg, epochs=2, minibatch_size=8, micro_batch_size=8, warmup_steps=0)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # CPU: freed tensors leave the resident set at once
+    (loop_mem, loop_s, _), (sft_mem, sft_s, _), (chunk_mem, _, _), (full_mem, _, _), (_, _, speedup) = [
+        mp.get_context("spawn").Pool(1).apply(_measure, (name, cfg)) for name in ("loop", "sft", "chunked", "full", "rollout")]
+    mb = lambda b: round(b / 2**20, 1)  # noqa: E731
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}",
+            "update_peak_mem_ratio": round(loop_mem / sft_mem, 3),  # 8 rollouts x 512 tokens, same model
+            "update_time_ratio": round(loop_s / (cfg.epochs * sft_s), 3),  # per optimizer step, incl. old log-probs
+            "logprob_chunked_mem_ratio": round(chunk_mem / full_mem, 3),  # 8192 tokens x 151,936 vocabulary
+            "rollout_batch_speedup": round(speedup, 2),  # tokens/s, 8 episodes in one batch vs one at a time
+            "update_peak_mem_mb": mb(loop_mem), "sft_peak_mem_mb": mb(sft_mem), "update_seconds": round(loop_s, 3),
+            "sft_step_seconds": round(sft_s, 3), "logprob_chunked_mem_mb": mb(chunk_mem), "logprob_full_mem_mb": mb(full_mem)}
 
 
 if __name__ == "__main__":

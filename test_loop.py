@@ -157,13 +157,13 @@ def test_sampled_ids_are_kept_exactly_and_masked(episodes):
     assert len(calls) >= 2  # several turns were played
     covered = {id(e): 0 for e in eps}
     for prompts, outs in calls:
-        for prompt, (new, logps) in zip(prompts, outs):
+        for prompt, new in zip(prompts, outs):
             (e,) = [e for e in eps if e.ids[:len(prompt)] == prompt]
             span = slice(len(prompt), len(prompt) + len(new))
-            assert e.ids[span] == new and all(e.is_output[span]) and e.sample_logp[span] == logps
+            assert e.ids[span] == new and all(e.is_output[span])
             covered[id(e)] += len(new)
     for e in eps:
-        assert len(e.ids) == len(e.is_output) == len(e.turn) == len(e.sample_logp)
+        assert len(e.ids) == len(e.is_output) == len(e.turn)
         assert sum(e.is_output) == covered[id(e)]  # nothing else is marked as an action
         assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output))
 
@@ -178,15 +178,26 @@ def test_decoded_sequence_is_the_transcript(tiny, episodes):
         assert decoded + closing == rendered
 
 
-def test_recomputed_logprobs_equal_sampling_logprobs(tiny, episodes):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recomputed_logprobs_equal_sampling_logprobs(tiny, episodes, temperature):
+    """The update's log-probs (chunked, recomputed on the whole left-padded sequence) equal the
+    sampling distribution's at every token generate() drew, at the sampling temperature."""
+    from transformers import GenerationConfig
     cfg, model, chat = tiny
-    eps = episodes[0]
-    ids, attn, is_out, _ = loop.pad_batch(eps, "cpu")
+    prompts = [e.ids[:40] for e in episodes[0]][:3] + [episodes[0][0].ids[:25]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[chat.tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    torch.manual_seed(3)
+    gc = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=12,
+                          output_logits=True, return_dict_in_generate=True, pad_token_id=chat.tok.pad_token_id)
+    out = model.eval().generate(input_ids=ids, attention_mask=attn, generation_config=gc)
+    new = out.sequences[:, width:]
+    sampled = torch.log_softmax(torch.stack(out.logits, 1).float() / temperature, -1).gather(-1, new[..., None]).squeeze(-1)
     with torch.no_grad():
-        lp = loop.token_logprobs(model.eval(), ids, attn, 1.0)
-    for e, row in zip(eps, lp):
-        mask = torch.tensor(e.is_output[1:])
-        assert torch.allclose(row[:len(e.ids) - 1][mask], torch.tensor(e.sample_logp[1:])[mask], atol=1e-4)
+        full_attn = torch.cat([attn, torch.ones_like(new)], 1)
+        recomputed = loop.token_logprobs(model, out.sequences, full_attn, temperature)[:, width - 1:]
+    assert torch.allclose(recomputed, sampled, atol=1e-4)
 
 
 def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
@@ -628,3 +639,172 @@ def test_missing_appworld_data_is_one_clear_message(tmp_path):
                         "--tiny"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                        env={**os.environ, "APPWORLD_ROOT": str(tmp_path)})
     assert r.returncode == 2 and "appworld download data" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------- scaling: chunked log-probs, LoRA, FSDP, checkpoints
+def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
+    torch.manual_seed(0)
+    grads = []
+    for chunk in (3, 10_000):  # many small chunks vs one chunk holding every position
+        head = torch.nn.Linear(16, 50, bias=False)
+        head.weight.data = torch.randn(50, 16, generator=torch.Generator().manual_seed(1))
+        loop.chunked_logprob_head(head, chunk)
+        h = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        y = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+        head.targets, head.temperature = y, 0.7
+        lp = head(h)
+        (lp * torch.linspace(-1, 1, 7)).sum().backward()
+        grads.append((lp.detach(), h.grad, head.weight.grad))
+    full = torch.log_softmax(h[:, :7].detach() @ head.weight.detach().T / 0.7, -1).gather(-1, y[..., None]).squeeze(-1)
+    assert torch.allclose(grads[0][0], full, atol=1e-6)
+    for a, b in zip(grads[0], grads[1]):
+        assert torch.allclose(a, b, atol=1e-6)
+    head.targets = None
+    assert head(h).shape == (2, 8, 50)  # without targets it is the plain head (generation)
+
+
+def _synthetic_episodes(chat, n=8, seed=0):
+    """Rollouts of different lengths and turn structure, the same on every rank and process."""
+    g, eps = random.Random(seed), []
+    for k in range(n):
+        e = loop.new_episode(loop.TinyWorld(loop.TinyWorld.tasks("train")[k]), "x", chat)
+        for turn in range(1 + k % 3):
+            e.add([g.randrange(4, len(chat.tok)) for _ in range(g.randint(3, 12))], output=True, turn=turn)
+            e.add(chat.pre + chat.encode("Execution successful.", literal=True) + chat.post)
+        eps.append(e)
+    return eps, torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, 1.5][:n])
+
+
+def _update_once(lora, fsdp=False):
+    flags = ["--tiny", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3"]
+    cfg = loop.parse_config(flags + (["--lora"] if lora else []) + (["--fsdp"] if fsdp else []))
+    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    rank, world = loop.rank_world()
+    mine = list(range(rank, len(eps), world))  # whole rollouts per rank, as tasks are split
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    stats = loop.update(model, opt, [eps[i] for i in mine], adv[mine], cfg)
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "steps": stats["steps"],
+            "local_params": local, "params": sum(p.numel() for p in model.parameters())}
+
+
+class _Scripted:
+    """An environment that ends after a fixed number of turns, whatever the agent writes."""
+    def __init__(self, turns):
+        self.turns, self.done = turns, False
+
+    def messages(self):
+        return [{"role": "user", "content": "wait"}]
+
+    def step(self, code):
+        self.turns -= 1
+        self.done = self.turns == 0
+        return "ok"
+
+    def evaluate(self):
+        return 1, 1
+
+
+def _fsdp_worker(out):
+    """Run under torchrun with 2 ranks: update equivalence (full and LoRA), uneven rollouts."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = {"full": _update_once(False, fsdp=True), "lora": _update_once(True, fsdp=True)}
+    cfg = loop.parse_config(["--tiny", "--fsdp", "--lora", "--bf16", "--batch-episodes", "2", "--max-new-tokens", "6"])
+    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    turns = [1] if rank == 0 else [4, 2, 3]  # rank 0 is done after one turn; rank 1 needs two batches per turn
+    eps = loop.rollout(model, loop.Chat(tok), [_Scripted(n) for n in turns], ["x"] * len(turns), cfg, 1.0, 6)
+    result["turns"] = [1 + max(e.turn) for e in eps]
+    parts = [None, None]
+    dist.all_gather_object(parts, result)
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(parts, fh)
+    dist.destroy_process_group()
+
+
+def _torchrun(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(29500 + os.getpid() % 1000), *args],
+                          capture_output=True, text=True, cwd=HERE, timeout=timeout)
+
+
+def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
+    r = _torchrun(os.path.join(HERE, "test_loop.py"), "fsdp_worker", str(tmp_path / "out.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = json.loads((tmp_path / "out.json").read_text())
+    for kind in ("full", "lora"):
+        single = _update_once(kind == "lora")
+        for rank in ranks:
+            got = rank[kind]
+            assert got["steps"] == single["steps"] == 1
+            assert got["loss"] == pytest.approx(single["loss"], rel=1e-4, abs=1e-6)
+            assert got["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+            assert abs(got["local_params"] / got["params"] - 0.5) < 0.02  # each rank holds half
+    assert ranks[0]["turns"] == [1] and ranks[1]["turns"] == [4, 2, 3]
+
+
+def test_lora_trains_and_saves_only_the_adapter(tmp_path):
+    cfg = loop.parse_config(["--tiny", "--lora", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "8"])
+    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    assert loop.update(model, opt, eps, adv, cfg)["steps"] == 1
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable
+    out = tmp_path / "run"
+    loop.main(["--tiny", "--lora", "--iterations", "1", "--warmup-steps", "0", "--tasks-per-iteration", "2",
+               "--eval-max-turns", "1", "--max-new-tokens", "8", "--out", str(out)])
+    assert (out / "model" / "adapter_config.json").exists() and not (out / "model" / "model.safetensors").exists()
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = FileSystemReader(str(out / "checkpoint")).read_metadata().state_dict_metadata
+    assert all("lora_" in k for k in keys if k.startswith("model."))
+
+
+def _train_rows(run):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["iteration"] for r in rows if "split" not in r]
+
+
+QUICK = ["--tiny", "--warmup-steps", "0", "--tasks-per-iteration", "2", "--rollouts-per-task", "2",
+         "--max-new-tokens", "8", "--eval-max-turns", "1", "--max-turns", "2", "--eval-every", "100"]
+
+
+def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(tmp_path):
+    run = tmp_path / "run"
+    r = _torchrun("loop.py", *QUICK, "--fsdp", "--iterations", "1", "--out", str(run))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _torchrun("loop.py", "--resume", str(run), "--iterations", "2")  # its config.json has --fsdp
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _cli("--resume", str(run), "--no-fsdp", "--iterations", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _train_rows(run) == [1, 2, 3]
+    assert torch.load(run / "checkpoint" / "rng0.pt", weights_only=False)["iteration"] == 3
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(run / "model").num_parameters() > 0
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "loop.py", *QUICK, "--iterations", "40", "--out", str(run)], cwd=HERE,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run / "checkpoint").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    assert p.poll() is None, "the run ended before it could be killed"
+    p.kill()
+    p.wait()
+    done = _train_rows(run)
+    assert done and done == list(range(1, len(done) + 1)) and len(done) < 40  # killed mid-run
+    r = _cli("--resume", str(run), "--iterations", str(len(done) + 2))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _train_rows(run) == list(range(1, len(done) + 3))  # nothing lost, nothing twice
+
+
+if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
+    _fsdp_worker(sys.argv[2])
