@@ -9,6 +9,7 @@ no reference model, one copy of the LLM.
     python loop.py --tiny                      # tiny model in a tiny world, offline, minutes on a CPU
     python loop.py --eval --split test --tiny  # TGC/SGC only
 """
+import atexit
 import builtins
 import dataclasses
 import json
@@ -94,8 +95,6 @@ class Config:
     """Evaluate every this many iterations (and before the first and after the last)."""
     eval: bool = False
     """Only evaluate `split`, no training."""
-    num_transcripts: int = 3
-    """Episode transcripts saved per evaluation."""
     warmup_steps: int = 0
     """Supervised steps on format-only demonstrations before RL (tiny model only)."""
     warmup_lr: float = 1e-3
@@ -112,8 +111,6 @@ class Config:
     """Recompute each decoder layer's activations in backward: long episodes fit in less memory."""
     lora: bool = False
     """Train a LoRA adapter (the paper's: rank 16, alpha 32, dropout 0, all projections), not all weights."""
-    checkpoint_every: int = 1
-    """Write a checkpoint (weights, optimizer, RNG states) every this many iterations; 0 = never."""
     resume: str = ""
     """Run directory to continue from its last complete checkpoint (its config.json is the base)."""
     bench: bool = False
@@ -394,9 +391,8 @@ class TinyWorld:
         ids = [f"{fam}{i:02d}_{n}" for fam in TinyWorld.FAMILIES for i in range(12) for n in (1, 2, 3)]
         scenarios = sorted({t.split("_")[0] for t in ids})
         random.Random(1234).shuffle(scenarios)
-        chosen = {"train": scenarios[9:], "test": scenarios[:9]}.get(split)
-        if chosen is None:
-            raise ValueError(f"tiny world splits are train and test, not {split!r}")
+        chosen = {"train": scenarios[9:], "test": scenarios[:9]}.get(split) or die(
+            f"the tiny world's splits are train and test, not {split!r}")
         return [t for t in ids if t.split("_")[0] in chosen]
 
     @staticmethod
@@ -827,11 +823,11 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
     episodes = rollout(model, chat, make_envs(cfg, tasks, experiment), tasks, cfg, cfg.eval_temperature,
                        cfg.eval_max_turns, desc=f"eval {split}")
-    results = [[(e.task_id, e.success, e.reward) for e in episodes]]
+    results = [(e.task_id, e.success, e.reward) for e in episodes]
     if world > 1:
-        results = [None] * world
-        dist.all_gather_object(results, [(e.task_id, e.success, e.reward) for e in episodes])
-    results = [r for part in results for r in part]
+        parts = [None] * world
+        dist.all_gather_object(parts, results)
+        results = [r for part in parts for r in part]
     by_scenario = {}
     for task_id, success, _ in results:
         by_scenario.setdefault(env.scenario(task_id), []).append(success)
@@ -844,7 +840,7 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
     if run_dir and rank == 0:
         os.makedirs(os.path.join(run_dir, "transcripts"), exist_ok=True)
         with open(os.path.join(run_dir, "transcripts", f"{split}_iter{iteration:04d}.txt"), "w") as fh:
-            for e in episodes[:cfg.num_transcripts]:
+            for e in episodes[:3]:
                 fh.write(f"=== {e.task_id} reward={e.reward:.2f} success={e.success}\n")
                 fh.write("".join(f"--- {m['role']}\n{m['content']}\n" for m in e.transcript) + "\n")
     return result
@@ -908,7 +904,6 @@ def warmup(model, chat, cfg):
     """Teach a random model the action format, a stand-in for instruction tuning, on
     demonstrations that solve no train or test task (TinyWorld.demo)."""
     rng, opt = random.Random(cfg.seed), torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
-    device = next(model.parameters()).device
     model.train()
     for _ in tqdm(range(cfg.warmup_steps), desc="format warm-up", disable=None):
         batch = []
@@ -922,13 +917,19 @@ def warmup(model, chat, cfg):
                 e.add(chat.encode(msg) + [chat.eot], output=True, turn=i)
                 obs = env.step(extract_code(msg))
             batch.append(e)
-        ids, attn, is_out, _ = pad_batch(batch, device)
-        logp = token_logprobs(model, ids, attn, 1.0)
-        mask = (is_out[:, 1:] & attn[:, 1:].bool()).float()
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        sft_step(model, opt, batch, grad_clip=None)
+
+
+def sft_step(model, opt, episodes, grad_clip):
+    """One supervised step: the mean log-likelihood of the output tokens (the warm-up, and the
+    fine-tuning baseline that --bench holds the LOOP update against)."""
+    ids, attn, is_out, _ = pad_batch(episodes, next(model.parameters()).device)
+    mask = (is_out[:, 1:] & attn[:, 1:].bool()).float()
+    opt.zero_grad(set_to_none=True)
+    (-(token_logprobs(model, ids, attn, 1.0) * mask).sum() / mask.sum()).backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
 
 
 def main(argv=None):
@@ -943,11 +944,15 @@ def main(argv=None):
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        atexit.register(dist.destroy_process_group)
     rank, world = rank_world()
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    run_dir = cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    run_dir = [cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
+    if world > 1:
+        dist.broadcast_object_list(run_dir)  # ranks that started a second apart share rank 0's directory
+    run_dir = run_dir[0]
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as fh:
@@ -997,23 +1002,30 @@ def main(argv=None):
                  "tokens_mean": tokens / n, **stats, "seconds": round(time.time() - t, 2)})
             if it % cfg.eval_every == 0 or it == cfg.iterations:
                 log(evaluate(model, chat, cfg, cfg.split, it, run_dir) | {"seconds": round(time.time() - t0, 1)})
-            if cfg.checkpoint_every and (it % cfg.checkpoint_every == 0 or it == cfg.iterations):
-                save_checkpoint(run_dir, model, opt, it, task_rng)
+            save_checkpoint(run_dir, model, opt, it, task_rng)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # the full weights (or the LoRA adapter), loadable with from_pretrained
         model.save_pretrained(os.path.join(run_dir, "model"), state_dict=state)
         tok.save_pretrained(os.path.join(run_dir, "model"))
-    if world > 1:
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
 # 11. Benchmark: each figure is measured in a fresh process (CPU: peak RSS; CUDA: allocator peaks)
 def _measure(name, cfg):
-    """Peak extra memory (bytes), seconds and result of one workload, in a fresh process."""
+    """In a fresh process: the peak extra memory (bytes) of one run of a workload after a warm-up
+    run, or for "speed" the median seconds of a LOOP update and of a fine-tuning step and the
+    speedup of batched generation."""
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    def seconds(f):
+        sync()
+        t = time.perf_counter()
+        f()
+        sync()
+        return time.perf_counter() - t
     if name in ("chunked", "full"):  # log-probs of 8192 tokens under a 151,936-token vocabulary, forward and backward
         head = torch.nn.Linear(64, 151936, bias=False, device=device)
         chunked_logprob_head(head, cfg.logprob_chunk if name == "chunked" else 8192)
@@ -1025,23 +1037,20 @@ def _measure(name, cfg):
         out = [t % 128 >= 64 for t in range(512)]  # 4 turns: 64 context tokens, then 64 sampled ones
         episodes = [Episode("", None, torch.randint(0, len(tok), (512,)).tolist(), out,
                             [t // 128 if o else -1 for t, o in enumerate(out)], []) for _ in range(8)]
-        prompts = [chat.prompt(TinyWorld(t).messages()) for t in TinyWorld.tasks("test")[:8]]
-
-        def sft():  # plain fine-tuning on the same tokens: mean log-likelihood of the output tokens
-            ids, attn, is_out, _ = pad_batch(episodes, device)
-            opt.zero_grad(set_to_none=True)
-            (-(token_logprobs(model, ids, attn, 1.0) * is_out[:, 1:]).sum() / is_out.sum()).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-
-        def tokens_per_second(batches):
-            t = time.perf_counter()
-            return sum(len(ids) for b in batches for ids in generate(model, chat, b, 1.0, 64)) / (time.perf_counter() - t)
-        work = {"loop": lambda: update(model, opt, episodes, torch.tensor([1.0, -1.0] * 4), cfg), "sft": sft,
-                "rollout": lambda: tokens_per_second([prompts]) / tokens_per_second([[p] for p in prompts])}[name]
-        work()  # untimed: optimizer state and caches exist before the measurement
+        loop_step = lambda: update(model, opt, episodes, torch.tensor([1.0, -1.0] * 4), cfg)  # noqa: E731
+        sft = lambda: sft_step(model, opt, episodes, 1.0)  # plain fine-tuning on the same tokens  # noqa: E731
+        work = {"loop": loop_step, "sft": sft, "speed": lambda: None}[name]
+        loop_step(), sft()  # warm: optimizer state and caches exist before the measurement
+        if name == "speed":
+            median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            pairs = [(seconds(loop_step), seconds(sft)) for _ in range(5)]  # alternating: a noisy CPU drifts
+            prompts = [chat.prompt(TinyWorld(t).messages()) for t in TinyWorld.tasks("test")[:8]]
+            chat.stop_ids = [len(tok)]  # no id stops a turn: every episode samples 64 tokens, batched or not
+            speedups = [seconds(lambda: [generate(model, chat, [p], 1.0, 64) for p in prompts])
+                        / seconds(lambda: generate(model, chat, prompts, 1.0, 64)) for _ in range(3)]
+            return median([a for a, _ in pairs]), median([b for _, b in pairs]), median(speedups)
+    sync()
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         peak, base = torch.cuda.max_memory_allocated, torch.cuda.memory_allocated()
     else:
@@ -1049,20 +1058,17 @@ def _measure(name, cfg):
             fh.write("5")  # resets the peak resident set size
         peak = lambda key="VmHWM": int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith(key))) * 1024  # noqa: E731
         base = peak("VmRSS")
-    t = time.perf_counter()
-    result = work()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
-    return peak() - base, seconds, result
+    seconds(work)
+    return peak() - base
 
 
 def bench(cfg):
     import multiprocessing as mp
     cfg = dataclasses.replace(cfg, epochs=2, minibatch_size=8, micro_batch_size=8, warmup_steps=0)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # CPU: freed tensors leave the resident set at once
-    (loop_mem, loop_s, _), (sft_mem, sft_s, _), (chunk_mem, _, _), (full_mem, _, _), (_, _, speedup) = [
-        mp.get_context("spawn").Pool(1).apply(_measure, (name, cfg)) for name in ("loop", "sft", "chunked", "full", "rollout")]
+    run = lambda name: mp.get_context("spawn").Pool(1).apply(_measure, (name, cfg))  # noqa: E731
+    loop_s, sft_s, speedup = run("speed")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # CPU memory: freed tensors leave the resident set at once
+    loop_mem, sft_mem, chunk_mem, full_mem = map(run, ("loop", "sft", "chunked", "full"))
     mb = lambda b: round(b / 2**20, 1)  # noqa: E731
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}",
             "update_peak_mem_ratio": round(loop_mem / sft_mem, 3),  # 8 rollouts x 512 tokens, same model

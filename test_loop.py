@@ -578,7 +578,9 @@ def appworld_root(tmp_path_factory):
 
 def test_appworld_scripted_policy_right_and_wrong(appworld_root):
     assert loop.AppWorldEnv.tasks("fixture") == list(AW_TASKS)
-    envs = {(t, ok): loop.AppWorldEnv(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS for ok in (True, False)}
+    first = next(iter(AW_TASKS))  # a wrong solution on one task: each world costs seconds to start
+    envs = {(t, ok): loop.AppWorldEnv(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS
+            for ok in (True, False) if ok or t == first}
     for (task, correct), env in envs.items():
         prompt = env.messages()[1]["content"]
         assert AW_TASKS[task]["instruction"] in prompt and "Joyce Weaver" in prompt and "2023-05-18" in prompt
