@@ -98,7 +98,7 @@ class Config:
     warmup_steps: int = 0
     """Supervised steps on format-only demonstrations before RL (tiny model only)."""
     warmup_lr: float = 1e-3
-    """Learning rate of the format warm-up."""
+    """Peak learning rate of the format warm-up (decays linearly to zero)."""
     batch_episodes: int = 256
     """Episodes generated together in one batch (per rank); bounds the KV cache."""
     logprob_chunk: int = 512
@@ -372,6 +372,12 @@ def run_code(code, namespace, timeout, max_chars=20000):
 
 NAMES = ["alice", "bob", "carol", "dave", "erin", "frank"]
 TOPICS = ["milk", "books", "rent", "trip", "gym", "lunch"]
+DEMO_REQUESTS = [  # warm-up request families that no split contains: call, pin, ask, say
+    ['Call "{name}".', 'Give "{name}" a call.', 'Ring "{name}" please.', '"{name}" is waiting for your call.'],
+    ['Pin the note "{topic}".', 'Pin "{topic}" to the top.', 'Keep the note "{topic}" pinned.', 'The note "{topic}" should be pinned.'],
+    ['Ask "{name}" for {n} dollars.', 'Request {n} dollars from "{name}".', '"{name}" owes me {n} dollars; ask for them.',
+     'Get {n} dollars back from "{name}".'],
+    ["Say {value}.", "Reply with {value}.", "Answer {value} and finish.", "My answer is {value}; give it."]]
 
 
 class TinyWorld:
@@ -466,17 +472,14 @@ class TinyWorld:
         split (call, pin, ask, say: each copies the request's quoted values into the arguments of
         an API no task needs), or random calls with random arguments under a neutral request."""
         name, topic, n = rng.choice(NAMES), rng.choice(TOPICS), rng.randint(1, 5)
+        value = rng.choice([f'"{name}"', f'"{topic}"', str(n)])
         done = "\napis.supervisor.complete_task()"
         r = rng.randrange(5)
-        if r == 0:
-            return f'Call "{name}".', [f'```python\napis.contacts.call(name="{name}"){done}\n```']
-        if r == 1:
-            return f'Pin the note "{topic}".', [f'```python\napis.notes.pin(title="{topic}"){done}\n```']
-        if r == 2:
-            return f'Ask "{name}" for {n} dollars.', [f'```python\napis.bank.request(name="{name}", amount={n}){done}\n```']
-        if r == 3:
-            value = rng.choice([f'"{name}"', f'"{topic}"', str(n)])
-            return f"Say {value}.", [f"```python\napis.supervisor.complete_task(answer={value})\n```"]
+        if r < 4:  # many phrasings of each request, so that what carries over is "quoted values become arguments"
+            request = rng.choice(DEMO_REQUESTS[r]).format(name=name, topic=topic, n=n, value=value)
+            code = [f'apis.contacts.call(name="{name}"){done}', f'apis.notes.pin(title="{topic}"){done}',
+                    f'apis.bank.request(name="{name}", amount={n}){done}', f"apis.supervisor.complete_task(answer={value})"][r]
+            return rng.choice(["", "Hello. ", "Next: "]) + request, [f"```python\n{code}\n```"]
         looks = ["print(apis.bank.balance())", f'print(apis.contacts.phone(name="{rng.choice(NAMES)}"))']
         acts = [f'apis.bank.send(to="{rng.choice(NAMES)}", amount={rng.randint(1, 5)}){done}',
                 f'apis.supervisor.complete_task(answer=apis.contacts.phone(name="{rng.choice(NAMES)}"))',
@@ -905,7 +908,9 @@ def warmup(model, chat, cfg):
     demonstrations that solve no train or test task (TinyWorld.demo)."""
     rng, opt = random.Random(cfg.seed), torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     model.train()
-    for _ in tqdm(range(cfg.warmup_steps), desc="format warm-up", disable=None):
+    for step in tqdm(range(cfg.warmup_steps), desc="format warm-up", disable=None):
+        # the learning rate decays to zero: the last few random batches do not decide the start of RL
+        opt.param_groups[0]["lr"] = cfg.warmup_lr * (1 - step / cfg.warmup_steps)
         batch = []
         for _ in range(16):
             env = TinyWorld("pay00_1", timeout=cfg.code_timeout)

@@ -299,6 +299,18 @@ def test_extract_code():
     assert loop.extract_code("no code here") == ""
 
 
+def test_warmup_demonstrations_show_no_task_solution():
+    instructions = {loop.TinyWorld(t).messages()[1]["content"] for s in ("train", "test") for t in loop.TinyWorld.tasks(s)}
+    rng, copying = random.Random(0), 0
+    for _ in range(500):
+        request, turns = loop.TinyWorld.demo(rng)
+        assert request not in instructions
+        if request != "Try the apis.":  # demos that copy the request's values use only APIs no task needs
+            copying += 1
+            assert not any(api in "".join(turns) for api in ("bank.send", "notes.create", "contacts.phone"))
+    assert 300 < copying < 500
+
+
 def test_splits_are_scenarios_of_three_and_disjoint():
     train, test = loop.TinyWorld.tasks("train"), loop.TinyWorld.tasks("test")
     assert not set(train) & set(test)
