@@ -736,6 +736,7 @@ def _fsdp_worker(out):
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(parts, fh)
+    dist.barrier()  # no rank tears its process group down while another is still in a collective
     dist.destroy_process_group()
 
 
