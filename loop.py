@@ -193,7 +193,7 @@ def build_tiny_tokenizer(corpus, vocab_size=1024):
 
 
 def load_model_and_tokenizer(cfg, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
     if cfg.model == "tiny":
         tok = build_tiny_tokenizer(TinyWorld.corpus())
         torch.manual_seed(cfg.seed)
@@ -205,15 +205,17 @@ def load_model_and_tokenizer(cfg, device):
         if looks_local and not os.path.isdir(os.path.expanduser(cfg.model)):
             die(f"model path {cfg.model} does not exist; give a local directory or a "
                 "Hugging Face id such as Qwen/Qwen2.5-7B-Instruct")
+        path = os.path.expanduser(cfg.model)
+        # A saved tiny tokenizer says so; AutoTokenizer would give it Qwen2's pre-tokenizer (model_type qwen2)
+        saved = os.path.join(path, "tokenizer_config.json")
+        tiny = os.path.exists(saved) and json.load(open(saved)).get("tokenizer_class") == "TokenizersBackend"
         try:  # bf16 on the host halves its memory per rank; full fine-tuning upcasts after sharding
-            tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
-            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model),
-                                                         dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
+            tok = (PreTrainedTokenizerFast if tiny else AutoTokenizer).from_pretrained(path, padding_side="left")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
         except OSError as e:
             die(f"cannot load model {cfg.model!r} (not a local directory, and not in the "
                 f"Hugging Face cache or reachable): {e}")
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
+        tok.pad_token = tok.pad_token or tok.eos_token
     # Hub defaults (top-k, top-p, repetition penalty) would make sampling differ from the plain
     # softmax at temperature T that the update scores: start from an empty generation config.
     model.generation_config = GenerationConfig()
@@ -318,7 +320,7 @@ class Chat:
 
 # ----------------------------------------------------------------------------------------------
 # 3. Environments. Fork here for a new environment: a class made as Env(task_id, timeout, experiment)
-#    with tasks(split), scenario(task_id), messages(), step(code) -> observation, done, and
+#    with tasks(split) -> ids "<scenario>_<n>", messages(), step(code) -> observation, done, and
 #    evaluate() -> (tests passed, tests total).
 def extract_code(text):
     """All ```python / ```py blocks joined; an unterminated last block counts; no block -> ""."""
@@ -326,7 +328,7 @@ def extract_code(text):
     return "\n".join(b.rstrip() for b in blocks)
 
 
-class CodeLimit(Exception):
+class CodeLimit(BaseException):  # not an Exception: the agent's `except Exception` cannot swallow it
     pass
 
 
@@ -354,20 +356,17 @@ def run_code(code, namespace, timeout, max_chars=20000):
             raise CodeLimit(f"code ran longer than {timeout} s")
         return tracer
 
-    namespace["__builtins__"] = dict(SAFE_BUILTINS, print=_print)
-    old = sys.gettrace()
+    namespace["__builtins__"], old, status = dict(SAFE_BUILTINS, print=_print), sys.gettrace(), ""
     try:
         sys.settrace(tracer)
         exec(compile(code, "<agent>", "exec"), namespace)
-        status = ""
     except BaseException as e:  # noqa: BLE001 - the agent's failure is an observation, never a crash
         if isinstance(e, KeyboardInterrupt):
             raise
         status = f"Execution failed. {type(e).__name__}: {e}"
     finally:
         sys.settrace(old)
-    text = "".join(out) + status
-    return text.strip() or "Execution successful."
+    return ("".join(out) + status).strip() or "Execution successful."
 
 
 NAMES = ["alice", "bob", "carol", "dave", "erin", "frank"]
@@ -400,10 +399,6 @@ class TinyWorld:
         chosen = {"train": scenarios[9:], "test": scenarios[:9]}.get(split) or die(
             f"the tiny world's splits are train and test, not {split!r}")
         return [t for t in ids if t.split("_")[0] in chosen]
-
-    @staticmethod
-    def scenario(task_id):
-        return task_id.split("_")[0]
 
     def __init__(self, task_id, timeout=5.0, experiment=None):
         self.task_id, self.timeout = task_id, timeout
@@ -565,10 +560,6 @@ class AppWorldEnv:
             return load_task_ids("train", difficulty=1) + load_task_ids("train", difficulty=2)
         return load_task_ids(split)
 
-    @staticmethod
-    def scenario(task_id):
-        return task_id.split("_")[0]
-
     def __init__(self, task_id, timeout=5.0, experiment="loop"):
         import multiprocessing as mp
         self.task_id, self.timeout, self.done, self.failed, self._info = task_id, timeout, False, False, None
@@ -597,9 +588,7 @@ class AppWorldEnv:
                 {"role": "user", "content": f"Date: {date}\nMy name is {name}, email {email}, phone {phone}.\nTask: {instruction}"}]
 
     def step(self, code):
-        if self.failed:
-            return "Environment failed."
-        reply = self._call(("execute", code), wait=self.timeout + 60)
+        reply = None if self.failed else self._call(("execute", code), wait=self.timeout + 60)
         if reply is None:
             return "Environment failed: the world stopped answering."
         output, self.done = reply
@@ -815,17 +804,13 @@ def update(model, opt, episodes, advantages, cfg):
 
 # ----------------------------------------------------------------------------------------------
 # 8. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
-def make_envs(cfg, task_ids, experiment):
-    return [ENVS[cfg.env](t, cfg.code_timeout, experiment) for t in task_ids]
-
-
 def evaluate(model, chat, cfg, split, iteration, run_dir):
     env = ENVS[cfg.env]
     rank, world = rank_world()
     tasks = env.tasks(split)[rank::world]  # each rank plays its share; rank 0 gathers the results
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
-    episodes = rollout(model, chat, make_envs(cfg, tasks, experiment), tasks, cfg, cfg.eval_temperature,
-                       cfg.eval_max_turns, desc=f"eval {split}")
+    episodes = rollout(model, chat, [env(t, cfg.code_timeout, experiment) for t in tasks], tasks, cfg,
+                       cfg.eval_temperature, cfg.eval_max_turns, desc=f"eval {split}")
     results = [(e.task_id, e.success, e.reward) for e in episodes]
     if world > 1:
         parts = [None] * world
@@ -833,7 +818,7 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
         results = [r for part in parts for r in part]
     by_scenario = {}
     for task_id, success, _ in results:
-        by_scenario.setdefault(env.scenario(task_id), []).append(success)
+        by_scenario.setdefault(task_id.split("_")[0], []).append(success)
     result = {"iteration": iteration, "split": split, "tgc": sum(r[1] for r in results) / len(results),
               "sgc": sum(all(v) for v in by_scenario.values()) / len(by_scenario),
               "reward_mean": sum(r[2] for r in results) / len(results), "tasks": len(results),
@@ -859,46 +844,34 @@ def _train_state(model, opt):
     return {"model": {k: v for k, v in model_sd.items() if k in names}, "optim": optim_sd}
 
 
-def save_checkpoint(run_dir, model, opt, iteration, task_rng):
-    """Written under a temporary name, then renamed: a killed run leaves the last complete one."""
+def save_checkpoint(run_dir, model, opt, iteration):
+    """Written under a temporary name, then renamed: a killed run leaves the last complete one.
+    No RNG state: every iteration seeds itself from (seed, iteration, rank)."""
     import shutil
     import torch.distributed.checkpoint as dcp
-    rank, world = rank_world()
     path, tmp = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp")
-    if rank == 0:
+    if rank_world()[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    dcp.save(_train_state(model, opt), checkpoint_id=tmp)  # all ranks; returns when written
-    torch.save({"iteration": iteration, "python": random.getstate(), "tasks": task_rng.getstate(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, os.path.join(tmp, f"rng{rank}.pt"))
-    if world > 1:
-        dist.barrier()  # every rank's files are in place
-    if rank == 0:  # (the next save's collectives keep the other ranks from writing before this is done)
+    dcp.save(_train_state(model, opt) | {"iteration": iteration}, checkpoint_id=tmp)  # all ranks; returns when written
+    if rank_world()[0] == 0:  # (the next save's collectives keep the other ranks from writing before this is done)
         if os.path.isdir(path):
             os.replace(path, path + ".old")  # between the two renames, checkpoint.old is the complete one
         os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
 
 
-def load_checkpoint(run_dir, model, opt, task_rng):
-    """Restore weights, optimizer and RNG states; returns the iteration the checkpoint finished."""
+def load_checkpoint(run_dir, model, opt):
+    """Restore weights and optimizer; returns the iteration the checkpoint finished."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     path = next((p for p in (os.path.join(run_dir, n) for n in ("checkpoint", "checkpoint.old")) if os.path.isdir(p)), None)
     if path is None:
         die(f"no checkpoint in {run_dir} to resume from")
-    state = _train_state(model, opt)
+    state = _train_state(model, opt) | {"iteration": 0}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
-    own = os.path.join(path, f"rng{rank_world()[0]}.pt")  # absent if the run had fewer ranks: keep a fresh seed
-    rng = torch.load(own if os.path.exists(own) else os.path.join(path, "rng0.pt"), weights_only=False)
-    random.setstate(rng["python"])
-    task_rng.setstate(rng["tasks"])
-    if os.path.exists(own):
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    return rng["iteration"]
+    return state["iteration"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -951,8 +924,6 @@ def main(argv=None):
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         atexit.register(dist.destroy_process_group)
     rank, world = rank_world()
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     run_dir = [cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
     if world > 1:
@@ -971,29 +942,28 @@ def main(argv=None):
 
     t0 = time.time()
     ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
+    torch.manual_seed(cfg.seed)  # every rank initialises the same weights (tiny model, LoRA)
     model, tok = load_model_and_tokenizer(cfg, device)
-    torch.manual_seed(cfg.seed + rank)  # one model, but each rank samples its own rollouts
     chat = Chat(tok)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
-    task_rng, start = random.Random(cfg.seed), 0
-    amp = torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp)  # FSDP: its policy
-    with amp:
-        if cfg.resume:
-            start = load_checkpoint(run_dir, model, opt, task_rng)
-            if rank == 0:  # rows of the unfinished iteration would be logged twice
-                path = os.path.join(run_dir, "metrics.jsonl")
-                rows = [line for line in open(path) if json.loads(line)["iteration"] <= start]
-                open(path, "w").writelines(rows)
-        else:
-            if cfg.warmup_steps:
+    with torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):  # FSDP: its own policy
+        start = load_checkpoint(run_dir, model, opt) if cfg.resume else 0
+        if cfg.resume and rank == 0:  # rows of the unfinished iteration would be logged twice
+            path = os.path.join(run_dir, "metrics.jsonl")
+            rows = [line for line in open(path) if json.loads(line)["iteration"] <= start]
+            open(path, "w").writelines(rows)
+        elif not cfg.resume:
+            if cfg.warmup_steps and cfg.model == "tiny":  # a loaded model (a finished tiny run's too) has its format
                 warmup(model, chat, cfg)
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir) | {"seconds": round(time.time() - t0, 1)})
             if cfg.eval:
                 return
         train_tasks = ENVS[cfg.env].tasks(cfg.train_split)
         for it in tqdm(range(start + 1, cfg.iterations + 1), desc="LOOP", disable=rank != 0):
-            t = time.time()
-            tasks = task_rng.sample(train_tasks, min(cfg.tasks_per_iteration, len(train_tasks)))[rank::world]
+            t, seed = time.time(), cfg.seed * 10**6 + it * 1000
+            random.seed(seed + rank)  # seeded per iteration: a resumed run samples what the unbroken run would have
+            torch.manual_seed(seed + rank)
+            tasks = random.Random(seed).sample(train_tasks, min(cfg.tasks_per_iteration, len(train_tasks)))[rank::world]
             task_ids = [task for task in tasks for _ in range(cfg.rollouts_per_task)]  # a task's K rollouts share a rank
             envs = [ENVS[cfg.env](task, cfg.code_timeout, f"loop-train-rollout{i % cfg.rollouts_per_task}")
                     for i, task in enumerate(task_ids)]  # the K worlds of a task save their outputs apart
@@ -1007,7 +977,7 @@ def main(argv=None):
                  "tokens_mean": tokens / n, **stats, "seconds": round(time.time() - t, 2)})
             if it % cfg.eval_every == 0 or it == cfg.iterations:
                 log(evaluate(model, chat, cfg, cfg.split, it, run_dir) | {"seconds": round(time.time() - t0, 1)})
-            save_checkpoint(run_dir, model, opt, it, task_rng)
+            save_checkpoint(run_dir, model, opt, it)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # the full weights (or the LoRA adapter), loadable with from_pretrained
@@ -1018,9 +988,8 @@ def main(argv=None):
 # ----------------------------------------------------------------------------------------------
 # 11. Benchmark: each figure is measured in a fresh process (CPU: peak RSS; CUDA: allocator peaks)
 def _measure(name, cfg):
-    """In a fresh process: the peak extra memory (bytes) of one run of a workload after a warm-up
-    run, or for "speed" the median seconds of a LOOP update and of a fine-tuning step and the
-    speedup of batched generation."""
+    """In a fresh process: "speed" -> median seconds of a LOOP update and of a fine-tuning step and
+    the speedup of batched generation; any other workload -> peak extra memory (bytes) of one run."""
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
@@ -1028,8 +997,7 @@ def _measure(name, cfg):
     def seconds(f):
         sync()
         t = time.perf_counter()
-        f()
-        sync()
+        f(), sync()
         return time.perf_counter() - t
     if name in ("chunked", "full"):  # log-probs of 8192 tokens under a 151,936-token vocabulary, forward and backward
         head = torch.nn.Linear(64, 151936, bias=False, device=device)
@@ -1044,7 +1012,7 @@ def _measure(name, cfg):
                             [t // 128 if o else -1 for t, o in enumerate(out)], []) for _ in range(8)]
         loop_step = lambda: update(model, opt, episodes, torch.tensor([1.0, -1.0] * 4), cfg)  # noqa: E731
         sft = lambda: sft_step(model, opt, episodes, 1.0)  # plain fine-tuning on the same tokens  # noqa: E731
-        work = {"loop": loop_step, "sft": sft, "speed": lambda: None}[name]
+        work = loop_step if name == "loop" else sft
         loop_step(), sft()  # warm: optimizer state and caches exist before the measurement
         if name == "speed":
             median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
@@ -1059,8 +1027,7 @@ def _measure(name, cfg):
         torch.cuda.reset_peak_memory_stats()
         peak, base = torch.cuda.max_memory_allocated, torch.cuda.memory_allocated()
     else:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # resets the peak resident set size
+        open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident set size
         peak = lambda key="VmHWM": int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith(key))) * 1024  # noqa: E731
         base = peak("VmRSS")
     seconds(work)

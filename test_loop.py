@@ -138,7 +138,7 @@ def episodes(tiny):
     loop.generate = recording
     try:
         torch.manual_seed(1)
-        eps = loop.rollout(model, chat, loop.make_envs(cfg, tasks, None), tasks, cfg, 1.0, 3)
+        eps = loop.rollout(model, chat, [loop.TinyWorld(x, cfg.code_timeout) for x in tasks], tasks, cfg, 1.0, 3)
     finally:
         loop.generate = original
     return eps, calls
@@ -316,9 +316,9 @@ def test_splits_are_scenarios_of_three_and_disjoint():
     assert not set(train) & set(test)
     scenarios = {}
     for t in train + test:
-        scenarios.setdefault(loop.TinyWorld.scenario(t), []).append(t)
+        scenarios.setdefault(t.split("_")[0], []).append(t)
     assert all(len(v) == 3 for v in scenarios.values())
-    assert not {loop.TinyWorld.scenario(t) for t in train} & {loop.TinyWorld.scenario(t) for t in test}
+    assert not {t.split("_")[0] for t in train} & {t.split("_")[0] for t in test}
 
 
 # ---------------------------------------------------------------- config and CLI
@@ -371,10 +371,18 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
         assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
         assert len(r["per_task"]) == len(loop.TinyWorld.tasks("test"))
     assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
-    r = _cli("--eval", "--env", "tiny", "--model", str(out / "model"), "--split", "test", "--eval-max-turns", "2",
-             "--max-new-tokens", "16", "--out", str(tmp_path / "ev"))
+    # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
+    _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]), torch.device("cpu"))
+    built, text = loop.build_tiny_tokenizer(loop.TinyWorld.corpus()), loop.TinyWorld.demo(random.Random(0))[1][0]
+    assert loop.Chat(tok).prompt(loop.TinyWorld("pay00_1").messages()) == loop.Chat(built).prompt(loop.TinyWorld("pay00_1").messages())
+    assert tok(text)["input_ids"] == built(text)["input_ids"]
+    r = _cli("--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
+             "--out", str(tmp_path / "ev"))
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])["split"] == "test"
+    again = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])
+    assert again["split"] == "test" and again["reward_mean"] == pytest.approx(evals[-1]["reward_mean"])
+    assert again["per_task"] == evals[-1]["per_task"]
+    assert (tmp_path / "ev" / "transcripts" / "test_iter0000.txt").read_text() == (out / "transcripts" / "test_iter0002.txt").read_text()
 
 
 # Qwen2.5's chat template without its tool-calling branches: a default system prompt when none is
@@ -400,7 +408,7 @@ def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
     tok.chat_template = QWEN25_TEMPLATE
     chat = loop.Chat(tok)
     assert tok.decode(chat.pre) == "\n<|im_start|>user\n" and tok.decode(chat.post) == "<|im_end|>\n<|im_start|>assistant\n"
-    envs = loop.make_envs(cfg, ["pay02_1", "note04_2"], None)
+    envs = [loop.TinyWorld(x, cfg.code_timeout) for x in ["pay02_1", "note04_2"]]
     if not with_system:
         for env in envs:
             env.messages = (lambda m: lambda: m[1:])(env.messages())
@@ -622,7 +630,7 @@ def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_ro
     model, chat = tiny[1], tiny[2]
     tasks = ["5a0f1c2_1", "9d3e7b4_1"]
     torch.manual_seed(5)
-    for e in loop.rollout(model, chat, loop.make_envs(cfg, tasks, "pytest-tiny"), tasks, cfg, 1.0, 2):
+    for e in loop.rollout(model, chat, [loop.AppWorldEnv(x, cfg.code_timeout, "pytest-tiny") for x in tasks], tasks, cfg, 1.0, 2):
         assert len(e.transcript) == 2 + 2 * (1 + max(e.turn))
         rendered = chat.tok.apply_chat_template(e.transcript[:-1], tokenize=False)
         closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
@@ -781,9 +789,9 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     assert all("lora_" in k for k in keys if k.startswith("model."))
 
 
-def _train_rows(run):
+def _train_rows(run, keys=("iteration",)):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["iteration"] for r in rows if "split" not in r]
+    return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows if "split" not in r]
 
 
 QUICK = ["--tiny", "--warmup-steps", "0", "--tasks-per-iteration", "2", "--rollouts-per-task", "2",
@@ -799,7 +807,10 @@ def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(tmp_path):
     r = _cli("--resume", str(run), "--no-fsdp", "--iterations", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     assert _train_rows(run) == [1, 2, 3]
-    assert torch.load(run / "checkpoint" / "rng0.pt", weights_only=False)["iteration"] == 3
+    import torch.distributed.checkpoint as dcp
+    state = {"iteration": 0}
+    dcp.load(state, checkpoint_id=str(run / "checkpoint"))
+    assert state["iteration"] == 3
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(run / "model").num_parameters() > 0
 
@@ -819,6 +830,11 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     r = _cli("--resume", str(run), "--iterations", str(len(done) + 2))
     assert r.returncode == 0, r.stderr[-3000:]
     assert _train_rows(run) == list(range(1, len(done) + 3))  # nothing lost, nothing twice
+    ref = tmp_path / "unbroken"
+    r = _cli(*QUICK, "--iterations", str(len(done) + 2), "--out", str(ref))
+    assert r.returncode == 0, r.stderr[-3000:]
+    keys = ("iteration", "reward_mean", "tokens_mean", "loss", "grad_norm")
+    assert _train_rows(run, keys) == _train_rows(ref, keys)  # the resumed run is the run that was not killed
 
 
 if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
