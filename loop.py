@@ -849,11 +849,11 @@ def save_checkpoint(run_dir, model, opt, iteration):
     No RNG state: every iteration seeds itself from (seed, iteration, rank)."""
     import shutil
     import torch.distributed.checkpoint as dcp
-    path, tmp = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp")
-    if rank_world()[0] == 0:
+    rank, path, tmp = rank_world()[0], os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp")
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dcp.save(_train_state(model, opt) | {"iteration": iteration}, checkpoint_id=tmp)  # all ranks; returns when written
-    if rank_world()[0] == 0:  # (the next save's collectives keep the other ranks from writing before this is done)
+    if rank == 0:  # (the next save's collectives keep the other ranks from writing before this is done)
         if os.path.isdir(path):
             os.replace(path, path + ".old")  # between the two renames, checkpoint.old is the complete one
         os.replace(tmp, path)
@@ -997,7 +997,8 @@ def _measure(name, cfg):
     def seconds(f):
         sync()
         t = time.perf_counter()
-        f(), sync()
+        f()
+        sync()
         return time.perf_counter() - t
     if name in ("chunked", "full"):  # log-probs of 8192 tokens under a 151,936-token vocabulary, forward and backward
         head = torch.nn.Linear(64, 151936, bias=False, device=device)
@@ -1027,7 +1028,8 @@ def _measure(name, cfg):
         torch.cuda.reset_peak_memory_stats()
         peak, base = torch.cuda.max_memory_allocated, torch.cuda.memory_allocated()
     else:
-        open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident set size
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets the peak resident set size
         peak = lambda key="VmHWM": int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith(key))) * 1024  # noqa: E731
         base = peak("VmRSS")
     seconds(work)
