@@ -194,9 +194,9 @@ def build_tiny_tokenizer(corpus, vocab_size=1024):
 
 def load_model_and_tokenizer(cfg, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
+    torch.manual_seed(cfg.seed)  # every rank and every process initialises the same weights (tiny model, LoRA)
     if cfg.model == "tiny":
         tok = build_tiny_tokenizer(TinyWorld.corpus())
-        torch.manual_seed(cfg.seed)
         mcfg = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                            bos_token_id=None, **cfg.tiny_model)
         model = AutoModelForCausalLM.from_config(mcfg)
@@ -356,7 +356,8 @@ def run_code(code, namespace, timeout, max_chars=20000):
             raise CodeLimit(f"code ran longer than {timeout} s")
         return tracer
 
-    namespace["__builtins__"], old, status = dict(SAFE_BUILTINS, print=_print), sys.gettrace(), ""
+    namespace["__builtins__"] = dict(SAFE_BUILTINS, print=_print)
+    old, status = sys.gettrace(), ""
     try:
         sys.settrace(tracer)
         exec(compile(code, "<agent>", "exec"), namespace)
@@ -942,17 +943,18 @@ def main(argv=None):
 
     t0 = time.time()
     ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
-    torch.manual_seed(cfg.seed)  # every rank initialises the same weights (tiny model, LoRA)
     model, tok = load_model_and_tokenizer(cfg, device)
     chat = Chat(tok)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     with torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):  # FSDP: its own policy
-        start = load_checkpoint(run_dir, model, opt) if cfg.resume else 0
-        if cfg.resume and rank == 0:  # rows of the unfinished iteration would be logged twice
-            path = os.path.join(run_dir, "metrics.jsonl")
-            rows = [line for line in open(path) if json.loads(line)["iteration"] <= start]
-            open(path, "w").writelines(rows)
-        elif not cfg.resume:
+        if cfg.resume:
+            start = load_checkpoint(run_dir, model, opt)
+            if rank == 0:  # rows of the unfinished iteration would be logged twice
+                path = os.path.join(run_dir, "metrics.jsonl")
+                rows = [line for line in open(path) if json.loads(line)["iteration"] <= start]
+                open(path, "w").writelines(rows)
+        else:
+            start = 0
             if cfg.warmup_steps and cfg.model == "tiny":  # a loaded model (a finished tiny run's too) has its format
                 warmup(model, chat, cfg)
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir) | {"seconds": round(time.time() - t0, 1)})
@@ -1013,7 +1015,7 @@ def _measure(name, cfg):
                             [t // 128 if o else -1 for t, o in enumerate(out)], []) for _ in range(8)]
         loop_step = lambda: update(model, opt, episodes, torch.tensor([1.0, -1.0] * 4), cfg)  # noqa: E731
         sft = lambda: sft_step(model, opt, episodes, 1.0)  # plain fine-tuning on the same tokens  # noqa: E731
-        work = loop_step if name == "loop" else sft
+        work = {"loop": loop_step, "sft": sft, "speed": None}[name]  # "speed" returns below
         loop_step(), sft()  # warm: optimizer state and caches exist before the measurement
         if name == "speed":
             median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
