@@ -115,6 +115,8 @@ class Config:
     """Run directory to continue from its last complete checkpoint (its config.json is the base)."""
     bench: bool = False
     """Measure the update's memory and time against fine-tuning, chunked log-probs and batched rollouts."""
+    report: str = ""
+    """Directory of finished runs: print their table by variant (ratio, reward normalisation), draw ablation.png."""
 
 
 def die(message):
@@ -917,6 +919,8 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one-process checkpoints are fine
     if cfg.bench:
         return print(json.dumps(bench(cfg), indent=1))
+    if cfg.report:
+        return report(cfg.report)
     if cfg.fsdp:
         if "RANK" not in os.environ:
             die("--fsdp runs under torchrun: torchrun --nproc_per_node G loop.py --fsdp ...")
@@ -1053,6 +1057,68 @@ def bench(cfg):
             "rollout_batch_speedup": round(speedup, 2),  # tokens/s, 8 episodes in one batch vs one at a time
             "update_peak_mem_mb": mb(loop_mem), "sft_peak_mem_mb": mb(sft_mem), "update_seconds": round(loop_s, 3),
             "sft_step_seconds": round(sft_s, 3), "logprob_chunked_mem_mb": mb(chunk_mem), "logprob_full_mem_mb": mb(full_mem)}
+
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. The paper's ablation (Table 1) in miniature: finished runs compared by variant
+VARIANTS = {("token", False): "per-token (LOOP)", ("turn", False): "per-turn", ("trajectory", False): "per-trajectory",
+            ("none", False): "RLOO, on-policy", ("token", True): "per-token + RwNorm"}
+
+
+def report(root):
+    """Held-out TGC/SGC at the last iteration (mean, min-max over seeds), the first evaluation at
+    which the mean TGC reaches half of LOOP's final one, the update's clip fraction and wall time."""
+    if not os.path.isdir(root):
+        die(f"--report: no directory {root}")
+    runs = {}
+    for d in sorted(os.listdir(root)):
+        try:
+            cfg = json.load(open(os.path.join(root, d, "config.json")))
+            rows = [json.loads(line) for line in open(os.path.join(root, d, "metrics.jsonl"))]
+        except OSError:  # not a run directory
+            continue
+        curve = {r["iteration"]: r for r in rows if "split" in r}
+        if cfg["iterations"] and max(curve, default=-1) == cfg["iterations"]:  # finished; not a warm-up-only run
+            key = (cfg["ratio"], cfg["normalize_rewards"])
+            runs.setdefault(key, []).append((curve, [r for r in rows if "split" not in r]))
+    if not runs:
+        die(f"--report: no finished runs (config.json and metrics.jsonl) under {root}")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    pct = lambda xs: f"{100 * mean(xs):.1f} ({100 * min(xs):.1f}-{100 * max(xs):.1f})"  # noqa: E731
+    curves = {k: {i: mean([c[i]["tgc"] for c, _ in v]) for i in sorted(set.intersection(*(set(c) for c, _ in v)))}
+              for k, v in runs.items()}
+    half = 0.5 * list(curves.get(("token", False), {0: 0}).values())[-1]
+    lines = ["| variant | seeds | final TGC % | final SGC % | iterations to half LOOP's TGC | clip fraction | wall s |",
+             "|---|---|---|---|---|---|---|"]
+    order = sorted(runs, key=lambda k: list(VARIANTS).index(k) if k in VARIANTS else len(VARIANTS))
+    for key in order:
+        v, last = runs[key], lambda c: c[max(c)]
+        reach = next((i for i, tgc in curves[key].items() if tgc >= half), None) if half > 0 else None
+        lines.append(f"| {VARIANTS.get(key, key)} | {len(v)} | {pct([last(c)['tgc'] for c, _ in v])} | "
+                     f"{pct([last(c)['sgc'] for c, _ in v])} | {'-' if reach is None else reach} | "
+                     f"{mean([mean([r['clip_fraction'] for r in t]) for _, t in v]):.3f} | "
+                     f"{mean([last(c)['seconds'] for c, _ in v]):.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    open(os.path.join(root, "ablation.md"), "w").write(table + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("pip install matplotlib to draw the learning curves", file=sys.stderr)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key in order:
+        its = list(curves[key])
+        per_seed = [[100 * c[i]["tgc"] for c, _ in runs[key]] for i in its]
+        ax.plot(its, [mean(s) for s in per_seed], label=f"{VARIANTS.get(key, key)}, {len(runs[key])} seeds",
+                lw=2.5 if key == ("token", False) else 1.5)
+        ax.fill_between(its, [min(s) for s in per_seed], [max(s) for s in per_seed], alpha=0.12)
+    ax.set(xlabel="iteration", ylabel="held-out TGC %", title="mean over seeds; band: lowest to highest seed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(root, "ablation.png"), dpi=120)
 
 
 if __name__ == "__main__":

@@ -355,6 +355,45 @@ def test_bad_flag_and_missing_model_path(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
+def _fake_runs(root):
+    """Two seeds of LOOP and of per-turn ratios, plus a warm-up-only run and an unfinished run,
+    which the report must leave out. TGC at iterations 0/10/20 and clip fractions are chosen by hand."""
+    runs = {"token-0": ("token", [0, .2, .6], [0, 0, 1 / 3], [.1, .3]), "token-1": ("token", [0, .4, .4], [0, 1 / 3, 1 / 3], [.2, .2]),
+            "turn-0": ("turn", [0, 0, .2], [0, 0, 0], [.4, .6]), "turn-1": ("turn", [0, .1, .3], [0, 0, 1 / 3], [.5, .5]),
+            "warmup-0": ("token", [0], [0], []), "turn-2": ("turn", [0, .9], [0, 1], [.9])}
+    for name, (ratio, tgc, sgc, clip) in runs.items():
+        (root / name).mkdir()
+        its = 0 if name.startswith("warmup") else 20
+        (root / name / "config.json").write_text(json.dumps({"iterations": its, "ratio": ratio, "normalize_rewards": False}))
+        rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 100.0 + 50 * i}
+                for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c} for i, c in enumerate(clip)]
+        (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "notes.txt").write_text("not a run")
+
+
+def test_ablation_report_by_hand(tmp_path, capsys):
+    _fake_runs(tmp_path)
+    loop.main(["--report", str(tmp_path)])
+    # LOOP's mean TGC by iteration: 0, 30, 50 -> half of its final is 25: LOOP reaches it at 10,
+    # per-turn (0, 5, 25) at 20. Spread is min-max over seeds; wall time is the last row's seconds.
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert rows == ["| per-token (LOOP) | 2 | 50.0 (40.0-60.0) | 33.3 (33.3-33.3) | 10 | 0.200 | 200 |",
+                    "| per-turn | 2 | 25.0 (20.0-30.0) | 16.7 (0.0-33.3) | 20 | 0.500 | 200 |"]
+    assert (tmp_path / "ablation.md").read_text().splitlines()[2:] == rows
+
+
+def test_ablation_report_draws_learning_curves(tmp_path):
+    pytest.importorskip("matplotlib", reason="the figure is optional: pip install matplotlib")
+    _fake_runs(tmp_path)
+    loop.main(["--report", str(tmp_path)])
+    assert (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path):
+    r = _cli("--report", str(tmp_path))
+    assert r.returncode == 2 and "no finished runs" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_tiny_smoke_run_writes_metrics(tmp_path):
     out = tmp_path / "run"
     loop.main(["--tiny", "--iterations", "2", "--warmup-steps", "20", "--tasks-per-iteration", "4",
