@@ -152,10 +152,8 @@ def parse_config(argv):
         for k, v in values.items():
             if k not in fields:
                 die(f"unknown key {k!r} in {path}; valid keys: {', '.join(fields)}")
-            t = hints[k]
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) if t is float else (
-                isinstance(v, t) and (t is bool or not isinstance(v, bool)))
-            if not ok:
+            t = hints[k]  # JSON has no float/int split; bool is an int to Python but not here
+            if isinstance(v, bool) != (t is bool) or not isinstance(v, (int, float) if t is float else t):
                 die(f"{k!r} in {path} must be {t.__name__}, got {v!r}")
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     cfg = Config(**values)
@@ -1076,7 +1074,7 @@ def report(root):
         try:
             cfg = json.load(open(os.path.join(root, d, "config.json")))
             rows = [json.loads(line) for line in open(os.path.join(root, d, "metrics.jsonl"))]
-        except OSError:  # not a run directory
+        except (OSError, ValueError):  # not a run directory, or a run killed while writing its first row
             continue
         curve = {r["iteration"]: r for r in rows if "split" in r}
         if cfg["iterations"] and max(curve, default=-1) == cfg["iterations"]:  # finished; not a warm-up-only run
@@ -1115,8 +1113,8 @@ def report(root):
         ax.plot(its, [mean(s) for s in per_seed], label=f"{VARIANTS.get(key, key)}, {len(runs[key])} seeds",
                 lw=2.5 if key == ("token", False) else 1.5)
         ax.fill_between(its, [min(s) for s in per_seed], [max(s) for s in per_seed], alpha=0.12)
-    ax.set(xlabel="iteration", ylabel="held-out TGC %", title="mean over seeds; band: lowest to highest seed")
-    ax.legend()
+    ax.set(xlabel="iteration", ylabel="held-out TGC %", ylim=(0, 100), title="mean over seeds; band: lowest to highest seed")
+    ax.legend(loc="upper left", ncol=2, fontsize="small")
     fig.tight_layout()
     fig.savefig(os.path.join(root, "ablation.png"), dpi=120)
 
