@@ -1084,6 +1084,7 @@ def report(root):
         die(f"--report: no finished runs (config.json and metrics.jsonl) under {root}")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     pct = lambda xs: f"{100 * mean(xs):.1f} ({100 * min(xs):.1f}-{100 * max(xs):.1f})"  # noqa: E731
+    last = lambda curve: curve[max(curve)]  # a run's final evaluation  # noqa: E731
     curves = {k: {i: mean([c[i]["tgc"] for c, _ in v]) for i in sorted(set.intersection(*(set(c) for c, _ in v)))}
               for k, v in runs.items()}
     half = 0.5 * list(curves.get(("token", False), {0: 0}).values())[-1]
@@ -1091,7 +1092,7 @@ def report(root):
              "|---|---|---|---|---|---|---|"]
     order = sorted(runs, key=lambda k: list(VARIANTS).index(k) if k in VARIANTS else len(VARIANTS))
     for key in order:
-        v, last = runs[key], lambda c: c[max(c)]
+        v = runs[key]
         reach = next((i for i, tgc in curves[key].items() if tgc >= half), None) if half > 0 else None
         lines.append(f"| {VARIANTS.get(key, key)} | {len(v)} | {pct([last(c)['tgc'] for c, _ in v])} | "
                      f"{pct([last(c)['sgc'] for c, _ in v])} | {'-' if reach is None else reach} | "
