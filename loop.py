@@ -1057,7 +1057,6 @@ def bench(cfg):
             "sft_step_seconds": round(sft_s, 3), "logprob_chunked_mem_mb": mb(chunk_mem), "logprob_full_mem_mb": mb(full_mem)}
 
 
-
 # ----------------------------------------------------------------------------------------------
 # 12. The paper's ablation (Table 1) in miniature: finished runs compared by variant
 VARIANTS = {("token", False): "per-token (LOOP)", ("turn", False): "per-turn", ("trajectory", False): "per-trajectory",
@@ -1085,15 +1084,17 @@ def report(root):
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     pct = lambda xs: f"{100 * mean(xs):.1f} ({100 * min(xs):.1f}-{100 * max(xs):.1f})"  # noqa: E731
     last = lambda curve: curve[max(curve)]  # a run's final evaluation  # noqa: E731
-    curves = {k: {i: mean([c[i]["tgc"] for c, _ in v]) for i in sorted(set.intersection(*(set(c) for c, _ in v)))}
+    # each variant's TGC per seed at the evaluations all its seeds share: the table's and the figure's data
+    curves = {k: {i: [c[i]["tgc"] for c, _ in v] for i in sorted(set.intersection(*(set(c) for c, _ in v)))}
               for k, v in runs.items()}
-    half = 0.5 * list(curves.get(("token", False), {0: 0}).values())[-1]
+    loop_curve = curves.get(("token", False))
+    half = 0.5 * mean(last(loop_curve)) if loop_curve else 0.0
     lines = ["| variant | seeds | final TGC % | final SGC % | iterations to half LOOP's TGC | clip fraction | wall s |",
              "|---|---|---|---|---|---|---|"]
     order = sorted(runs, key=lambda k: list(VARIANTS).index(k) if k in VARIANTS else len(VARIANTS))
     for key in order:
         v = runs[key]
-        reach = next((i for i, tgc in curves[key].items() if tgc >= half), None) if half > 0 else None
+        reach = next((i for i, tgc in curves[key].items() if mean(tgc) >= half), None) if half > 0 else None
         lines.append(f"| {VARIANTS.get(key, key)} | {len(v)} | {pct([last(c)['tgc'] for c, _ in v])} | "
                      f"{pct([last(c)['sgc'] for c, _ in v])} | {'-' if reach is None else reach} | "
                      f"{mean([mean([r['clip_fraction'] for r in t]) for _, t in v]):.3f} | "
@@ -1109,8 +1110,7 @@ def report(root):
         return print("pip install matplotlib to draw the learning curves", file=sys.stderr)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for key in order:
-        its = list(curves[key])
-        per_seed = [[100 * c[i]["tgc"] for c, _ in runs[key]] for i in its]
+        its, per_seed = list(curves[key]), [[100 * tgc for tgc in seeds] for seeds in curves[key].values()]
         ax.plot(its, [mean(s) for s in per_seed], label=f"{VARIANTS.get(key, key)}, {len(runs[key])} seeds",
                 lw=2.5 if key == ("token", False) else 1.5)
         ax.fill_between(its, [min(s) for s in per_seed], [max(s) for s in per_seed], alpha=0.12)
