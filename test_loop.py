@@ -14,6 +14,8 @@ import torch
 import loop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "tools"))
+import ablation  # noqa: E402
 
 
 # ---------------------------------------------------------------- leave-one-out advantages (Eq. 3)
@@ -33,9 +35,15 @@ def test_loo_advantages_equal_returns_are_zero():
     assert torch.equal(loop.loo_advantages(torch.full((3, 6), 0.7)), torch.zeros(3, 6))
 
 
-def test_reward_normalisation_divides_by_group_std():
-    r = torch.tensor([[1.0, 0.0]])  # std (unbiased) = 0.7071
-    assert torch.allclose(loop.loo_advantages(r, normalize=True), torch.tensor([[1.0, -1.0]]) / 0.70710678, atol=1e-4)
+def test_reward_normalisation_divides_by_the_population_std_as_the_reference_code():
+    # K=2: A = [1, -1], population std of [1, 0] = 0.5 (the sample std would be 0.7071)
+    assert torch.allclose(loop.loo_advantages(torch.tensor([[1.0, 0.0]]), normalize=True),
+                          torch.tensor([[2.0, -2.0]]))
+    # K=3, R = [1, 0, 0]: A = 3/2 (R - 1/3) = [1, -0.5, -0.5]; std = sqrt(2/9) = 0.47140
+    adv = loop.loo_advantages(torch.tensor([[1.0, 0.0, 0.0]]), normalize=True)
+    assert torch.allclose(adv, torch.tensor([[2.12132, -1.06066, -1.06066]]), atol=1e-5)
+    # equal returns: std 0 is floored at 1e-7, so A stays 0 instead of 0/0
+    assert torch.equal(loop.loo_advantages(torch.full((2, 3), 0.5), normalize=True), torch.zeros(2, 3))
 
 
 # ---------------------------------------------------------------- clipped objective (Eq. 5)
@@ -94,6 +102,15 @@ def test_per_trajectory_objective():
     loss, grad, n_clipped = _loss(2.0, [1.5, 1.0, 1.0], "trajectory")  # ratio 1.5 -> clipped
     assert loss == pytest.approx(-2.2, abs=1e-5) and grad == pytest.approx([0.0] * 5, abs=1e-7)
     assert n_clipped == 3
+
+
+@pytest.mark.parametrize("kind", ["token", "turn", "trajectory", "none"])
+def test_objectives_accept_float64(kind):
+    single = _loss(2.0, [1.5, 0.5, 1.05], kind)
+    logp = OLD.double().clone()
+    logp[0, 1:4] += torch.log(torch.tensor([1.5, 0.5, 1.05], dtype=torch.float64))
+    loss, _ = loop.loop_loss(logp, OLD.double(), torch.tensor([2.0], dtype=torch.float64), MASK, TURN, kind, 0.1)
+    assert loss.dtype == torch.float64 and loss.item() == pytest.approx(single[0], abs=1e-6)
 
 
 def test_on_policy_rloo_objective():
@@ -327,32 +344,82 @@ def _cli(*args, cwd=HERE):
                           cwd=cwd, timeout=600)
 
 
-def test_flags_override_config_file(tmp_path):
+def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"iterations": 7, "lr": 1, "max_turns": 9}))
     cfg = loop.parse_config(["--config", str(path), "--iterations", "3", "--max-turns", "4", "--no-normalize-rewards"])
     assert (cfg.iterations, cfg.lr, cfg.max_turns, cfg.normalize_rewards) == (3, 1.0, 4, False)
     assert loop.parse_config(["--tiny"]).model == "tiny"
+    # --tiny with --config: the file is laid over tiny_config.json, flags over both
+    cfg = loop.parse_config(["--tiny", "--config", str(path), "--lr", "0.5"])
+    assert (cfg.model, cfg.env, cfg.iterations, cfg.max_turns, cfg.lr) == ("tiny", "tiny", 7, 9, 0.5)
+    assert cfg.rollouts_per_task == json.load(open(loop.TINY_CONFIG))["rollouts_per_task"]
+
+
+def _error(capsys, *argv):
+    """Exit code and stderr of a user mistake, which must be one line and no traceback."""
+    with pytest.raises(SystemExit) as stop:
+        loop.main(list(argv))
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    return stop.value.code, err
 
 
 @pytest.mark.parametrize("content, message", [
     ("{not json", "cannot read config"),
+    ("[1, 2]", "one JSON object"),
     ('{"iterashuns": 3}', "unknown key 'iterashuns'"),
     ('{"iterations": "3"}', "'iterations' in"),
     ('{"normalize_rewards": 1}', "must be bool"),
+    ('{"epochs": 0}', "--epochs must be >= 1, got 0"),
 ])
-def test_config_errors_are_one_clear_message(tmp_path, content, message):
+def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)
-    r = _cli("--config", str(path))
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    code, err = _error(capsys, "--config", str(path), "--out", str(tmp_path / "run"))
+    assert code == 2 and message in err
+    assert not (tmp_path / "run").exists()  # stopped before any work
 
 
-def test_bad_flag_and_missing_model_path(tmp_path):
-    r = _cli("--ratio", "sideways")
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--batch-episodes", "0", ">= 1"), ("--eval-every", "0", ">= 1"), ("--tasks-per-iteration", "0", ">= 1"),
+    ("--micro-batch-size", "0", ">= 1"), ("--minibatch-size", "0", ">= 1"), ("--max-turns", "0", ">= 1"),
+    ("--eval-max-turns", "0", ">= 1"), ("--epochs", "0", ">= 1"), ("--iterations", "-1", ">= 0"),
+    ("--rollouts-per-task", "1", ">= 2"), ("--max-new-tokens", "0", ">= 1"), ("--max-context", "0", ">= 1"),
+    ("--clip-eps", "-0.1", "> 0"), ("--lr", "-1e-5", "> 0"), ("--lr", "0", "> 0"), ("--temperature", "0", "> 0"),
+    ("--grad-clip", "0", "> 0"), ("--max-kl", "nan", "> 0"), ("--code-timeout", "0", "> 0"),
+    ("--weight-decay", "-0.01", ">= 0"), ("--min-abs-advantage", "-1", ">= 0"), ("--eval-temperature", "-1", ">= 0"),
+    ("--warmup-steps", "-5", ">= 0"), ("--warmup-lr", "0", "> 0"), ("--logprob-chunk", "0", ">= 1"),
+])
+def test_settings_out_of_range_stop_before_any_work(tmp_path, capsys, flag, value, allowed):
+    code, err = _error(capsys, "--tiny", f"{flag}={value}", "--out", str(tmp_path / "run"))
+    assert code == 2 and f"{flag} must be {allowed}, got " in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_is_never_mixed_and_resume_takes_its_own_settings(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    code, err = _error(capsys, "--tiny", "--out", str(tmp_path))
+    assert code == 2 and f"--resume {tmp_path}" in err
+    code, err = _error(capsys, "--tiny", "--resume", str(tmp_path))
+    assert code == 2 and "--resume continues with the settings" in err
+
+
+def test_help_shows_each_settings_docstring(capsys):
+    with pytest.raises(SystemExit):
+        loop.parse_config(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "K: rollouts per task, the leave-one-out group (paper: 6)." in out
+
+
+def test_bad_flag_and_missing_model_path(tmp_path, capsys):
+    r = _cli("--ratio", "sideways")  # one test through a real process: the exit code the shell sees
     assert r.returncode == 2 and "--ratio" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("--tiny", "--model", str(tmp_path / "no" / "such" / "model"), "--eval")
-    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    code, err = _error(capsys, "--tiny", "--model", str(tmp_path / "no" / "such" / "model"), "--eval",
+                       "--out", str(tmp_path / "run"))
+    assert code == 2 and "does not exist" in err
+    code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
+    assert code == 2 and "cannot load a model from the directory" in err
 
 
 def _fake_runs(root):
@@ -368,12 +435,14 @@ def _fake_runs(root):
         rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 100.0 + 50 * i}
                 for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c} for i, c in enumerate(clip)]
         (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with open(root / "token-1" / "metrics.jsonl", "a") as fh:
+        fh.write('{"iteration": 21, "clip_fr')  # a line cut short by a kill: left out
     (root / "notes.txt").write_text("not a run")
 
 
 def test_ablation_report_by_hand(tmp_path, capsys):
     _fake_runs(tmp_path)
-    loop.main(["--report", str(tmp_path)])
+    ablation.main(["--report", str(tmp_path)])
     # LOOP's mean TGC by iteration: 0, 30, 50 -> half of its final is 25: LOOP reaches it at 10,
     # per-turn (0, 5, 25) at 20. Spread is min-max over seeds; wall time is the last row's seconds.
     rows = capsys.readouterr().out.splitlines()[2:]
@@ -385,13 +454,43 @@ def test_ablation_report_by_hand(tmp_path, capsys):
 def test_ablation_report_draws_learning_curves(tmp_path):
     pytest.importorskip("matplotlib", reason="the figure is optional: pip install matplotlib")
     _fake_runs(tmp_path)
-    loop.main(["--report", str(tmp_path)])
+    ablation.main(["--report", str(tmp_path)])
     assert (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path):
-    r = _cli("--report", str(tmp_path))
-    assert r.returncode == 2 and "no finished runs" in r.stderr and "Traceback" not in r.stderr
+def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        ablation.main(["--report", str(tmp_path)])
+    assert stop.value.code == 2 and "no finished runs" in capsys.readouterr().err
+
+
+def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch):
+    quick = ["--warmup-steps", "30", "--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
+             "--eval-max-turns", "1", "--max-turns", "2"]
+    calls, main = [], loop.main
+
+    def counted(argv):
+        calls.append(argv)
+        return main(argv)
+    monkeypatch.setattr(loop, "main", counted)
+    ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert names == ["none-0", "rwnorm-0", "token-0", "trajectory-0", "turn-0", "warmup-0"] and len(calls) == 6
+    for name in names[:-1]:
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        assert cfg["model"] == str(tmp_path / "warmup-0" / "model") and cfg["iterations"] == 2
+        assert [r["iteration"] for r in loop.read_metrics(tmp_path / name / "metrics.jsonl")] == [0, 1, 2, 2]
+    assert json.loads((tmp_path / "rwnorm-0" / "config.json").read_text())["normalize_rewards"]
+    assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
+    table = (tmp_path / "ablation.md").read_text().splitlines()
+    assert len(table) == 7 and table[2].startswith("| per-token (LOOP) | 1 |")
+    # Again, after one run was cut off before it saved its model: only that one runs, resumed.
+    import shutil
+    shutil.rmtree(tmp_path / "turn-0" / "model")
+    calls.clear()
+    ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
+    assert calls == [["--resume", str(tmp_path / "turn-0"), "--iterations", "2"]]
+    assert [r["iteration"] for r in loop.read_metrics(tmp_path / "turn-0" / "metrics.jsonl")] == [0, 1, 2, 2]
 
 
 def test_tiny_smoke_run_writes_metrics(tmp_path):
@@ -813,6 +912,24 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
     assert ranks[0]["turns"] == [1] and ranks[1]["turns"] == [4, 2, 3]
 
 
+def test_micro_batches_accumulate_to_the_minibatch_gradient():
+    import copy
+    cfg = loop.parse_config(["--tiny", "--epochs", "1", "--minibatch-size", "8", "--lr", "1e-3"])
+    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    results = []
+    for micro in (1, 3, 8, 16):  # 16 > minibatch: one pass then holds the whole minibatch
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr)
+        stats = loop.update(m, opt, eps, adv, loop.dataclasses.replace(cfg, micro_batch_size=micro))
+        assert stats["steps"] == 1
+        results.append((stats["loss"], stats["grad_norm"], next(m.parameters()).detach().clone()))
+    for loss, norm, weights in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-5)
+        assert norm == pytest.approx(results[0][1], rel=1e-4)
+        assert torch.allclose(weights, results[0][2], atol=1e-6)
+
+
 def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     cfg = loop.parse_config(["--tiny", "--lora", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "8"])
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
@@ -869,7 +986,9 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     assert p.poll() is None, "the run ended before it could be killed"
     p.kill()
     p.wait()
-    done = _train_rows(run)
+    with open(run / "metrics.jsonl", "a") as fh:  # as if the kill had come while a row was written
+        fh.write('{"iteration": 99, "reward_me')
+    done = [r["iteration"] for r in loop.read_metrics(run / "metrics.jsonl") if "split" not in r]
     assert done and done == list(range(1, len(done) + 1)) and len(done) < 40  # killed mid-run
     r = _cli("--resume", str(run), "--iterations", str(len(done) + 2))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,0 +1,158 @@
+"""Memory and speed of loop.py's update and rollouts, each figure from a fresh process.
+
+    python tools/bench.py                      # the tiny model (tiny_config.json)
+    python tools/bench.py --config my.json     # any model loop.py can load; loop.py's flags apply
+
+Memory is the peak growth of a fresh process's resident set (CUDA: the allocator's peak) during
+one run of a workload after an untimed warm-up run; timings are medians of alternating runs.
+"""
+import dataclasses
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import loop  # noqa: E402
+
+VOCAB = 151936  # Qwen2.5's vocabulary: the log-prob workloads project onto it
+TOKENS = 8192
+
+
+def seconds(work, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def peak_memory(work, device):
+    """Bytes the process grows by at its peak while `work` runs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        seconds(work, device)
+        return torch.cuda.max_memory_allocated() - base
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets the peak resident set size (VmHWM) to the current one
+    base = proc_status("VmRSS")
+    work()
+    return proc_status("VmHWM") - base
+
+
+def proc_status(key):
+    with open("/proc/self/status") as fh:
+        line = next(line for line in fh if line.startswith(key))
+    return int(line.split()[1]) * 1024
+
+
+def logprob_workload(chunk, device):
+    """Log-probs of 8192 tokens under a 151,936-token vocabulary, forward and backward."""
+    head = torch.nn.Linear(64, VOCAB, bias=False, device=device)
+    loop.chunked_logprob_head(head, chunk)
+    hidden = torch.randn(1, TOKENS, 64, device=device, requires_grad=True)
+    head.targets = torch.randint(0, VOCAB, (1, TOKENS), device=device)
+
+    def work():
+        head(hidden).sum().backward()
+    return work
+
+
+def training_workloads(cfg, device):
+    """A LOOP update and a plain fine-tuning step on the same 8 rollouts of 512 tokens (4 turns:
+    64 context tokens, then 64 sampled ones), and the model and chat they use."""
+    model, tok = loop.load_model_and_tokenizer(cfg, device)
+    chat = loop.Chat(tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    is_output = [t % 128 >= 64 for t in range(512)]
+    turn = [t // 128 if o else -1 for t, o in enumerate(is_output)]
+    episodes = [loop.Episode("", None, torch.randint(0, len(tok), (512,)).tolist(), is_output,
+                             turn, []) for _ in range(8)]
+    advantages = torch.tensor([1.0, -1.0] * 4)
+
+    def loop_update():
+        loop.update(model, opt, episodes, advantages, cfg)
+
+    def sft():
+        loop.sft_step(model, opt, episodes, 1.0)
+    loop_update()  # warm: optimizer state and caches exist before anything is measured
+    sft()
+    return model, chat, loop_update, sft
+
+
+def measure(name, cfg):
+    """In a fresh process: "speed" -> (median seconds of a LOOP update, of a fine-tuning step,
+    speedup of batched generation); any other workload -> its peak memory in bytes."""
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "chunked":
+        return peak_memory(logprob_workload(cfg.logprob_chunk, device), device)
+    if name == "full":
+        return peak_memory(logprob_workload(TOKENS, device), device)
+    model, chat, loop_update, sft = training_workloads(cfg, device)
+    if name == "loop":
+        return peak_memory(loop_update, device)
+    if name == "sft":
+        return peak_memory(sft, device)
+    pairs = [(seconds(loop_update, device), seconds(sft, device)) for _ in range(5)]  # alternating
+    prompts = [chat.prompt(loop.TinyWorld(t).messages()) for t in loop.TinyWorld.tasks("test")[:8]]
+    chat.stop_ids = [len(chat.tok)]  # no id stops a turn: 64 tokens each, batched or not
+
+    def one_at_a_time():
+        for prompt in prompts:
+            loop.generate(model, chat, [prompt], 1.0, 64)
+
+    def batched():
+        loop.generate(model, chat, prompts, 1.0, 64)
+    speedups = [seconds(one_at_a_time, device) / seconds(batched, device) for _ in range(3)]
+    return median([a for a, _ in pairs]), median([b for _, b in pairs]), median(speedups)
+
+
+def in_fresh_process(name, cfg):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure, (name, cfg))
+
+
+def bench(cfg):
+    cfg = dataclasses.replace(cfg, epochs=2, minibatch_size=8, micro_batch_size=8, warmup_steps=0)
+    loop_s, sft_s, speedup = in_fresh_process("speed", cfg)
+    # CPU memory: a freed tensor leaves the resident set at once, in the processes started below
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    loop_mem, sft_mem, chunk_mem, full_mem = [in_fresh_process(name, cfg)
+                                              for name in ("loop", "sft", "chunked", "full")]
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"cpu x{torch.get_num_threads()}"
+    return {"device": device,
+            "update_peak_mem_ratio": round(loop_mem / sft_mem, 3),  # 8 rollouts x 512 tokens
+            "update_time_ratio": round(loop_s / (cfg.epochs * sft_s), 3),  # per optimizer step
+            "logprob_chunked_mem_ratio": round(chunk_mem / full_mem, 3),  # 8192 tokens x 151,936
+            "rollout_batch_speedup": round(speedup, 2),  # tokens/s, 8 episodes batched vs 1 by 1
+            "update_peak_mem_mb": round(loop_mem / 2**20, 1),
+            "sft_peak_mem_mb": round(sft_mem / 2**20, 1),
+            "update_seconds": round(loop_s, 3),
+            "sft_step_seconds": round(sft_s, 3),
+            "logprob_chunked_mem_mb": round(chunk_mem / 2**20, 1),
+            "logprob_full_mem_mb": round(full_mem / 2**20, 1)}
+
+
+def main(argv):
+    if "--config" not in argv and "--tiny" not in argv:
+        argv = ["--tiny", *argv]  # the benchmark's default model is the tiny one
+    print(json.dumps(bench(loop.parse_config(argv)), indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
