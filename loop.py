@@ -806,7 +806,11 @@ def act(e, new, turn, last_turn, chat, cfg):
     e.done = e.env.done or last_turn or len(e.ids) >= cfg.max_context
     if not e.done:
         closing = [] if new and new[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
-        e.add(closing + chat.pre + chat.encode(observation, literal=True) + chat.post)
+        context = closing + chat.pre + chat.encode(observation, literal=True) + chat.post
+        if len(e.ids) + len(context) < cfg.max_context:
+            e.add(context)
+        else:  # no room for the observation and a next turn: no id ever lies beyond the cap
+            e.done = True
 
 
 # ----------------------------------------------------------------------------------------------

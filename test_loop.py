@@ -18,6 +18,12 @@ sys.path.insert(0, os.path.join(HERE, "tools"))
 import ablation  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _in_a_temporary_directory(tmp_path, monkeypatch):
+    """A run without --out writes runs/<time>/ into the working directory: never the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 # ---------------------------------------------------------------- leave-one-out advantages (Eq. 3)
 def test_loo_advantages_k2():
     adv = loop.loo_advantages(torch.tensor([[1.0, 0.0], [0.25, 0.75]]))
@@ -217,6 +223,57 @@ def test_recomputed_logprobs_equal_sampling_logprobs(tiny, episodes, temperature
     assert torch.allclose(recomputed, sampled, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def biased_model(tiny, tmp_path_factory):
+    """The tiny model saved with a generation_config.json like a hub model's (top-k 20, top-p 0.8,
+    repetition penalty 1.3) and loaded back the way users load a model."""
+    import copy
+    from transformers import GenerationConfig
+    cfg, model, chat = tiny
+    path = tmp_path_factory.mktemp("biased")
+    saved = copy.deepcopy(model)
+    saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3)
+    saved.save_pretrained(path)
+    chat.tok.save_pretrained(path)
+    assert json.loads((path / "generation_config.json").read_text())["top_k"] == 20
+    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]),
+                                               torch.device("cpu"))
+    return model, loop.Chat(tok)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_generate_samples_from_the_softmax_that_the_update_scores(biased_model, temperature):
+    """loop.generate's processed scores (what it sampled from) give each sampled token the log-prob
+    that token_logprobs gives it: no top-k, top-p or repetition penalty slipped in."""
+    model, chat = biased_model
+    prompts = [chat.prompt(loop.TinyWorld(t).messages()) for t in loop.TinyWorld.tasks("test")[:6:2]]
+    scores, original = [], model.generate
+
+    def with_scores(**kwargs):
+        kwargs["generation_config"].update(output_scores=True, return_dict_in_generate=True)
+        out = original(**kwargs)
+        scores.append(torch.stack(out.scores, 1))
+        return out.sequences
+    model.generate = with_scores
+    chat.stop_ids = [len(chat.tok)]  # nothing ends a turn: every row samples all 40 tokens
+    torch.manual_seed(7)
+    try:
+        new = torch.tensor(loop.generate(model, chat, prompts, temperature, 40))
+    finally:
+        del model.generate
+    sampled = torch.log_softmax(scores[0].float(), -1).gather(-1, new[..., None]).squeeze(-1)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[chat.tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    full, full_attn = torch.cat([ids, new], 1), torch.cat([attn, torch.ones_like(new)], 1)
+    with torch.no_grad():
+        scored = loop.token_logprobs(model, full, full_attn, temperature)[:, width - 1:]
+        logits = model(input_ids=full, attention_mask=full_attn).logits[:, width - 1:-1]
+    assert torch.allclose(scored, sampled, atol=1e-4)
+    rank = (logits > logits.gather(-1, new[..., None])).sum(-1)  # how many tokens were likelier
+    assert (rank >= 20).sum() > 0  # top-k 20 would never have sampled these
+
+
 def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
     cfg, model, chat = tiny
     eps = episodes[0]
@@ -229,16 +286,47 @@ def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
     assert (logp.grad[is_out[:, 1:]] != 0).any()
 
 
-def test_update_runs_and_moves_the_policy(tiny, episodes):
-    cfg, model, chat = tiny
+def _mean_output_logp(model, e):
+    """Mean log-probability, at T = 1, of the tokens the policy sampled in episode e."""
+    ids, attn, is_out, _ = loop.pad_batch([e], "cpu")
+    with torch.no_grad():
+        return loop.token_logprobs(model, ids, attn, 1.0)[is_out[:, 1:]].mean().item()
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_one_update_moves_the_sampled_tokens_the_way_the_advantage_says(tiny, episodes, monkeypatch, advantage):
+    """No weight decay, so only the gradient moves the weights; the gradient of the objective reaches
+    the log-prob at position t exactly where token t+1 was sampled (is_output[1:]), nowhere else."""
     import copy
+    cfg, model, chat = tiny
+    e = episodes[0][0]
     m = copy.deepcopy(model)
-    before = [p.detach().clone() for p in m.parameters()]
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
-    stats = loop.update(m, opt, episodes[0], torch.tensor([1.0, -1.0, 0.005, 0.5]), cfg)
+    before = _mean_output_logp(m, e)
+    trained, original = [], loop.token_logprobs
+
+    def recording(model, ids, attn, temperature):
+        logp = original(model, ids, attn, temperature)
+        if logp.requires_grad:  # the training pass, not the old log-probs
+            logp.retain_grad()
+            trained.append(logp)
+        return logp
+    monkeypatch.setattr(loop, "token_logprobs", recording)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0)
+    one_step = loop.dataclasses.replace(cfg, epochs=1, minibatch_size=1, micro_batch_size=1)
+    assert loop.update(m, opt, [e], torch.tensor([advantage]), one_step)["steps"] == 1
+    assert (_mean_output_logp(m, e) - before) * advantage > 0
+    (logp,) = trained
+    assert torch.equal(logp.grad[0] != 0, torch.tensor(e.is_output[1:]))
+    assert sum(e.is_output) < len(e.ids) - 1  # the episode does hold context tokens
+
+
+def test_update_drops_rollouts_without_signal(tiny, episodes):
+    import copy
+    cfg, model, chat = tiny
+    opt = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=1e-5)
+    stats = loop.update(copy.deepcopy(model), opt, episodes[0], torch.tensor([1.0, -1.0, 0.005, 0.5]), cfg)
     assert stats["rollouts_used"] == 3  # |A| = 0.005 < 0.01 is dropped
     assert stats["steps"] == cfg.epochs and not stats["abandoned"]
-    assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
 def test_high_kl_abandons_the_iteration(tiny, episodes):
@@ -299,6 +387,78 @@ def test_agent_code_failures_become_observations():
     assert "NameError" in obs[4] and "failed" in obs[5]
     assert "KeyError" in obs[6]
     assert result == (0, 4) and not w.done
+
+
+def tiny_solution(instruction):
+    """The code that solves the tiny-world task with this instruction."""
+    quoted = instruction.split('"')[1]
+    if instruction.startswith("Send"):
+        return f'apis.bank.send(to="{quoted}", amount={int(instruction.split()[1])})\napis.supervisor.complete_task()'
+    if instruction.startswith("What is"):
+        return f'apis.supervisor.complete_task(answer=apis.contacts.phone(name="{quoted}"))'
+    return f'apis.notes.create(title="{quoted}")\napis.supervisor.complete_task()'
+
+
+def scripted_policy(write_code):
+    """A stand-in for loop.generate: each episode's turn is the code write_code(task text) returns,
+    where the task text is the prompt's last user message."""
+    def generate(model, chat, prompts, temperature, max_new_tokens):
+        texts = [chat.tok.decode(p).split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for p in prompts]
+        return [chat.encode(f"```python\n{write_code(text)}\n```") + [chat.eot] for text in texts]
+    return generate
+
+
+# The test split's scenario phone03 (its 3 tasks ask the same question) is solved, and 2 of the 3
+# tasks of pay04 ("Send 3/1/4 dollars to erin"); every other task only calls complete_task().
+SOLVED = {'What is the phone number of "dave"?', 'Send 3 dollars to "erin".', 'Send 1 dollars to "erin".'}
+
+
+def solve_some(text):
+    return tiny_solution(text) if text in SOLVED else "apis.supervisor.complete_task()"
+
+
+def test_tgc_and_sgc_of_a_policy_that_solves_some_tasks(tiny, tmp_path, monkeypatch):
+    cfg, model, chat = tiny
+    monkeypatch.setattr(loop, "generate", scripted_policy(solve_some))
+    row = loop.evaluate(model, chat, cfg, "test", 0, str(tmp_path))
+    assert {t for t, ok in row["per_task"].items() if ok} == {"phone03_1", "phone03_2", "phone03_3", "pay04_1", "pay04_2"}
+    assert len(row["per_task"]) == 27
+    assert row["tgc"] == pytest.approx(5 / 27) and row["sgc"] == pytest.approx(1 / 9)
+    # solved 5 x 1; a bare complete_task() earns 1/4 on the 10 other pay tasks, 1/3 on 3 phone and 9 note tasks
+    assert row["reward_mean"] == pytest.approx((5 + 10 / 4 + 3 / 3 + 9 / 3) / 27)
+
+
+class _Chatty:
+    """An environment whose every observation is long, so that an episode fills its context."""
+    def __init__(self):
+        self.done = False
+
+    def messages(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, code):
+        return " ".join(f"line{i}" for i in range(40))
+
+    def evaluate(self):
+        return 0, 1
+
+
+@pytest.mark.parametrize("cap", [150, 171, 230])
+def test_an_episode_ends_at_the_context_cap_with_no_id_beyond_it(tiny, cap):
+    import dataclasses
+    cfg, model, chat = tiny
+    small = dataclasses.replace(cfg, max_context=cap, max_new_tokens=30, max_obs_tokens=200)
+    torch.manual_seed(0)
+    chat_stop = chat.stop_ids
+    chat.stop_ids = [len(chat.tok)]  # every turn samples all 30 tokens unless the cap cuts it
+    try:
+        (e,) = loop.rollout(model, chat, [_Chatty()], ["x"], small, 1.0, 10)
+    finally:
+        chat.stop_ids = chat_stop
+    assert e.done and 0 < len(e.ids) <= cap
+    assert len(e.ids) == len(e.is_output) == len(e.turn)
+    assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output))
+    assert max(e.turn) < 9  # the cap, not the turn limit, ended it
 
 
 def test_observations_are_truncated_at_a_space_with_a_note(tiny):
@@ -514,9 +674,8 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
     built, text = loop.build_tiny_tokenizer(loop.TinyWorld.corpus()), loop.TinyWorld.demo(random.Random(0))[1][0]
     assert loop.Chat(tok).prompt(loop.TinyWorld("pay00_1").messages()) == loop.Chat(built).prompt(loop.TinyWorld("pay00_1").messages())
     assert tok(text)["input_ids"] == built(text)["input_ids"]
-    r = _cli("--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
-             "--out", str(tmp_path / "ev"))
-    assert r.returncode == 0, r.stderr
+    loop.main(["--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
+               "--out", str(tmp_path / "ev")])
     again = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])
     assert again["split"] == "test" and again["reward_mean"] == pytest.approx(evals[-1]["reward_mean"])
     assert again["per_task"] == evals[-1]["per_task"]
@@ -776,13 +935,21 @@ def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_ro
         assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output)) and 0 <= e.reward <= 1
 
 
-def test_appworld_cli_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path):
+def aw_policy(text):
+    """Right on 5a0f1c2_1 and 9d3e7b4_1, wrong on 5a0f1c2_2 (2 of its 4 tests pass)."""
+    (task,) = [t for t, spec in AW_TASKS.items() if spec["instruction"] in text]
+    return aw_solution(task, correct=task != "5a0f1c2_2")
+
+
+def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "generate", scripted_policy(aw_policy))
     out = tmp_path / "run"
-    r = _cli("--eval", "--env", "appworld", "--split", "fixture", "--tiny", "--warmup-steps", "0", "--max-turns", "2",
-             "--eval-max-turns", "2", "--max-new-tokens", "12", "--max-context", "4096", "--out", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    loop.main(["--eval", "--env", "appworld", "--split", "fixture", "--tiny", "--warmup-steps", "0", "--code-timeout", "30",
+               "--eval-max-turns", "2", "--max-context", "4096", "--out", str(out)])
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["split"] == "fixture" and set(row["per_task"]) == set(AW_TASKS)
+    assert row["split"] == "fixture" and row["per_task"] == {"5a0f1c2_1": True, "5a0f1c2_2": False, "9d3e7b4_1": True}
+    assert row["tgc"] == pytest.approx(2 / 3) and row["sgc"] == pytest.approx(1 / 2)
+    assert row["reward_mean"] == pytest.approx((1 + 2 / 4 + 1) / 3)
     appworld_cli = os.path.join(os.path.dirname(sys.executable), "appworld")
     r = subprocess.run([appworld_cli, "evaluate", row["appworld_experiment"], "fixture", "--root", appworld_root],
                        capture_output=True, text=True, timeout=300)
@@ -791,14 +958,12 @@ def test_appworld_cli_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path
     with open(path) as fh:
         official = json.load(fh)["individual"]
     assert {t: v["success"] for t, v in official.items()} == row["per_task"]
-    assert row["tgc"] == sum(row["per_task"].values()) / 3
 
 
-def test_missing_appworld_data_is_one_clear_message(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), "--eval", "--env", "appworld", "--split", "test_normal",
-                        "--tiny"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                       env={**os.environ, "APPWORLD_ROOT": str(tmp_path)})
-    assert r.returncode == 2 and "appworld download data" in r.stderr and "Traceback" not in r.stderr
+def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
+    code, err = _error(capsys, "--eval", "--env", "appworld", "--split", "test_normal", "--tiny")
+    assert code == 2 and "appworld download data" in err
 
 
 # ---------------------------------------------------------------- scaling: chunked log-probs, LoRA, FSDP, checkpoints
@@ -835,18 +1000,30 @@ def _synthetic_episodes(chat, n=8, seed=0):
     return eps, torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, 1.5][:n])
 
 
-def _update_once(lora, fsdp=False):
-    flags = ["--tiny", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3"]
-    cfg = loop.parse_config(flags + (["--lora"] if lora else []) + (["--fsdp"] if fsdp else []))
+UPDATE_FLAGS = ["--tiny", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3"]
+
+
+def _model_and_adamw(lora, fsdp=False):
+    cfg = loop.parse_config(UPDATE_FLAGS + (["--lora"] if lora else []) + (["--fsdp"] if fsdp else []))
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    # eps = 1: Adam's first step is then smooth in the gradient (with the default eps it is
+    # lr * sign(g), which flips for gradients that are zero up to the order of a reduction)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, eps=1.0)
+    return cfg, model, tok, opt
+
+
+def _update_once(lora, fsdp=False):
+    """One optimizer step on 8 synthetic rollouts (split by rank under FSDP); returns a summary,
+    the model and the optimizer."""
+    cfg, model, tok, opt = _model_and_adamw(lora, fsdp)
     eps, adv = _synthetic_episodes(loop.Chat(tok))
     rank, world = loop.rank_world()
     mine = list(range(rank, len(eps), world))  # whole rollouts per rank, as tasks are split
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     stats = loop.update(model, opt, [eps[i] for i in mine], adv[mine], cfg)
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "steps": stats["steps"],
-            "local_params": local, "params": sum(p.numel() for p in model.parameters())}
+    summary = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "steps": stats["steps"],
+               "local_params": local, "params": sum(p.numel() for p in model.parameters())}
+    return summary, model, opt
 
 
 class _Scripted:
@@ -867,16 +1044,27 @@ class _Scripted:
 
 
 def _fsdp_worker(out):
-    """Run under torchrun with 2 ranks: update equivalence (full and LoRA), uneven rollouts."""
+    """Run under torchrun with 2 ranks: update equivalence (full and LoRA), a checkpoint of the
+    updated model and its full state, uneven rollouts, and an evaluation gathered from both ranks."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"full": _update_once(False, fsdp=True), "lora": _update_once(True, fsdp=True)}
+    result = {"lora": _update_once(True, fsdp=True)[0]}
+    result["full"], model, opt = _update_once(False, fsdp=True)
+    folder = os.path.dirname(out)
+    loop.save_checkpoint(folder, model, opt, 1)
+    full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"model": full[0], "optim": full[1]}, os.path.join(folder, "full_state.pt"))
     cfg = loop.parse_config(["--tiny", "--fsdp", "--lora", "--bf16", "--batch-episodes", "2", "--max-new-tokens", "6"])
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    chat = loop.Chat(tok)
     turns = [1] if rank == 0 else [4, 2, 3]  # rank 0 is done after one turn; rank 1 needs two batches per turn
-    eps = loop.rollout(model, loop.Chat(tok), [_Scripted(n) for n in turns], ["x"] * len(turns), cfg, 1.0, 6)
+    eps = loop.rollout(model, chat, [_Scripted(n) for n in turns], ["x"] * len(turns), cfg, 1.0, 6)
     result["turns"] = [1 + max(e.turn) for e in eps]
+    loop.generate = scripted_policy(solve_some)  # each rank plays half of the test split
+    result["eval"] = loop.evaluate(model, chat, cfg, "test", 0, folder)
     parts = [None, None]
     dist.all_gather_object(parts, result)
     if rank == 0:
@@ -902,7 +1090,7 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = json.loads((tmp_path / "out.json").read_text())
     for kind in ("full", "lora"):
-        single = _update_once(kind == "lora")
+        single = _update_once(kind == "lora")[0]
         for rank in ranks:
             got = rank[kind]
             assert got["steps"] == single["steps"] == 1
@@ -910,6 +1098,30 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
             assert got["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
             assert abs(got["local_params"] / got["params"] - 0.5) < 0.02  # each rank holds half
     assert ranks[0]["turns"] == [1] and ranks[1]["turns"] == [4, 2, 3]
+    # The weights after the 2-rank step are the weights after the one-process step.
+    _, model, _ = _update_once(False)
+    saved = torch.load(tmp_path / "full_state.pt")
+    for name, p in model.state_dict().items():
+        assert torch.allclose(saved["model"][name], p, atol=1e-6), name
+    # The 2-rank checkpoint loads in one process: weights and AdamW state within 1e-6.
+    _, fresh, _, opt = _model_and_adamw(False)
+    assert loop.load_checkpoint(str(tmp_path), fresh, opt) == 1
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    weights, adamw = get_state_dict(fresh, opt)
+    assert weights.keys() == saved["model"].keys() and adamw["state"].keys() == saved["optim"]["state"].keys()
+    for name, p in weights.items():
+        assert torch.allclose(p, saved["model"][name], atol=1e-6), name
+    assert sum(m["exp_avg"].abs().sum() for m in adamw["state"].values()) > 0  # a real step's state
+    for name, moments in adamw["state"].items():
+        assert float(moments["step"]) == 1
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(moments[key], saved["optim"]["state"][name][key], atol=1e-6), (name, key)
+    # The evaluation each rank returns is the whole split's, gathered: the hand-computed TGC/SGC.
+    for rank in ranks:
+        assert {t for t, ok in rank["eval"]["per_task"].items() if ok} == {
+            "phone03_1", "phone03_2", "phone03_3", "pay04_1", "pay04_2"}
+        assert len(rank["eval"]["per_task"]) == 27
+        assert rank["eval"]["tgc"] == pytest.approx(5 / 27) and rank["eval"]["sgc"] == pytest.approx(1 / 9)
 
 
 def test_micro_batches_accumulate_to_the_minibatch_gradient():
@@ -937,8 +1149,8 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     assert trainable and all("lora_" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     eps, adv = _synthetic_episodes(loop.Chat(tok))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    assert loop.update(model, opt, eps, adv, cfg)["steps"] == 1
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    assert loop.update(model, opt, eps, adv, cfg)["steps"] == 1  # no weight decay: only a gradient moves them
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable
     out = tmp_path / "run"
@@ -951,23 +1163,54 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
 
 
 def _train_rows(run, keys=("iteration",)):
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = loop.read_metrics(run / "metrics.jsonl")
     return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows if "split" not in r]
 
 
-QUICK = ["--tiny", "--warmup-steps", "0", "--tasks-per-iteration", "2", "--rollouts-per-task", "2",
-         "--max-new-tokens", "8", "--eval-max-turns", "1", "--max-turns", "2", "--eval-every", "100"]
+@pytest.fixture(scope="module")
+def warm_dir(tiny, tmp_path_factory):
+    """The tiny fixture's warmed-up model on disk. Its rollouts of a task earn different rewards,
+    so runs that start from it take real optimizer steps from the first iteration."""
+    cfg, model, chat = tiny
+    path = tmp_path_factory.mktemp("warm")
+    model.save_pretrained(path)
+    chat.tok.save_pretrained(path)
+    return path
 
 
-def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(tmp_path):
+def quick(warm_dir):
+    return ["--tiny", "--model", str(warm_dir), "--tasks-per-iteration", "2", "--rollouts-per-task", "4",
+            "--max-new-tokens", "24", "--eval-max-turns", "1", "--max-turns", "2", "--eval-every", "100"]
+
+
+def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(warm_dir, tmp_path):
+    cfg = loop.parse_config(quick(warm_dir))
+    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rows = [loop.train_iteration(model, opt, loop.Chat(tok), cfg, loop.TinyWorld.tasks("train"), it) for it in (1, 2)]
+    assert sum(r["steps"] for r in rows) > 0 and opt.state
+    loop.save_checkpoint(str(tmp_path), model, opt, 2)
+    fresh, _ = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))  # the weights before training
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    assert loop.load_checkpoint(str(tmp_path), fresh, fresh_opt) == 2
+    for (name, trained), loaded in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(trained, loaded), name
+    saved, loaded = opt.state_dict(), fresh_opt.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"] and saved["state"].keys() == loaded["state"].keys()
+    for i, moments in saved["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, loaded["state"][i][key]), (i, key)
+
+
+def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(warm_dir, tmp_path):
     run = tmp_path / "run"
-    r = _torchrun("loop.py", *QUICK, "--fsdp", "--iterations", "1", "--out", str(run))
+    r = _torchrun("loop.py", *quick(warm_dir), "--fsdp", "--iterations", "1", "--out", str(run))
     assert r.returncode == 0, r.stderr[-3000:]
     r = _torchrun("loop.py", "--resume", str(run), "--iterations", "2")  # its config.json has --fsdp
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _cli("--resume", str(run), "--no-fsdp", "--iterations", "3")
-    assert r.returncode == 0, r.stderr[-3000:]
+    loop.main(["--resume", str(run), "--no-fsdp", "--iterations", "3"])
     assert _train_rows(run) == [1, 2, 3]
+    assert all(steps > 0 and norm > 0 for steps, norm in _train_rows(run, ("steps", "grad_norm")))
     import torch.distributed.checkpoint as dcp
     state = {"iteration": 0}
     dcp.load(state, checkpoint_id=str(run / "checkpoint"))
@@ -976,10 +1219,10 @@ def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(run / "model").num_parameters() > 0
 
 
-def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+def test_killed_run_resumes_from_its_last_checkpoint(warm_dir, tmp_path):
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "loop.py", *QUICK, "--iterations", "40", "--out", str(run)], cwd=HERE,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), *quick(warm_dir), "--iterations", "40",
+                          "--out", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (run / "checkpoint").exists() and time.time() < deadline and p.poll() is None:
         time.sleep(0.05)
@@ -988,16 +1231,21 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     p.wait()
     with open(run / "metrics.jsonl", "a") as fh:  # as if the kill had come while a row was written
         fh.write('{"iteration": 99, "reward_me')
-    done = [r["iteration"] for r in loop.read_metrics(run / "metrics.jsonl") if "split" not in r]
+    done = _train_rows(run)
     assert done and done == list(range(1, len(done) + 1)) and len(done) < 40  # killed mid-run
-    r = _cli("--resume", str(run), "--iterations", str(len(done) + 2))
-    assert r.returncode == 0, r.stderr[-3000:]
+    import torch.distributed.checkpoint as dcp
+    saved = {"iteration": 0}
+    dcp.load(saved, checkpoint_id=str(run / "checkpoint"))
+    learnt = [steps for i, steps in _train_rows(run, ("iteration", "steps")) if i <= saved["iteration"]]
+    assert sum(learnt) > 0  # the checkpoint holds trained weights and AdamW state, not the start
+    loop.main(["--resume", str(run), "--iterations", str(len(done) + 2)])
     assert _train_rows(run) == list(range(1, len(done) + 3))  # nothing lost, nothing twice
+    assert all(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())  # no cut line
     ref = tmp_path / "unbroken"
-    r = _cli(*QUICK, "--iterations", str(len(done) + 2), "--out", str(ref))
-    assert r.returncode == 0, r.stderr[-3000:]
-    keys = ("iteration", "reward_mean", "tokens_mean", "loss", "grad_norm")
+    loop.main([*quick(warm_dir), "--iterations", str(len(done) + 2), "--out", str(ref)])
+    keys = ("iteration", "reward_mean", "tokens_mean", "rollouts_used", "steps", "loss", "grad_norm")
     assert _train_rows(run, keys) == _train_rows(ref, keys)  # the resumed run is the run that was not killed
+    assert all(steps > 0 and loss != 0 and norm > 0 for _, _, _, _, steps, loss, norm in _train_rows(run, keys))
 
 
 if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
