@@ -960,6 +960,23 @@ def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, mo
     assert {t: v["success"] for t, v in official.items()} == row["per_task"]
 
 
+def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
+    import dataclasses
+    cfg, _, chat = tiny
+    cfg = dataclasses.replace(cfg, env="appworld", max_obs_tokens=3000, max_context=32768)
+    env = loop.AppWorldEnv("5a0f1c2_1", 30.0, "pytest-flood")
+    e = loop.new_episode(env, "5a0f1c2_1", chat)
+    env.step("1")  # the world is up and its REPL has run once
+    start = time.monotonic()
+    loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, False, chat, cfg)
+    assert time.monotonic() - start < 1.0
+    observation = e.transcript[-1]["content"]
+    assert observation.endswith(" characters, showing the first 3000 tokens]")  # 2,000,000 x and a newline
+    assert "\n[output truncated: 2000001 characters" in observation
+    assert 3000 <= len(observation) < 4000
+    env.evaluate()
+
+
 def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
     code, err = _error(capsys, "--eval", "--env", "appworld", "--split", "test_normal", "--tiny")
