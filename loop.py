@@ -15,6 +15,7 @@ import argparse
 import ast
 import atexit
 import builtins
+import concurrent.futures
 import dataclasses
 import inspect
 import json
@@ -796,26 +797,38 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
             batch = live[b * cfg.batch_episodes:(b + 1) * cfg.batch_episodes]
             prompts = [e.ids for e in batch] or [[chat.eot]]  # nothing left: a dummy joins in
             outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room))
-            for e, new in zip(batch, outputs):
-                act(e, new, turn, turn == max_turns - 1, chat, cfg)
+            codes = [act(e, new, turn, chat, cfg) for e, new in zip(batch, outputs)]
+            results = step_together([e.env for e in batch], codes)
+            for e, output in zip(batch, results):
+                observe(e, output, turn == max_turns - 1, chat, cfg)
     for e in episodes:
         passed, total = e.env.evaluate()
         e.reward = passed / total
         e.success = passed == total
     return episodes
 
-def act(e, new, turn, last_turn, chat, cfg):
-    """The sampled turn joins the episode as actions, its code runs, and the observation follows
-    as context with the template's separators around it."""
+def act(e, new, turn, chat, cfg):
+    """The sampled turn joins the episode as actions; returns the code in it."""
     new = new[:cfg.max_context - len(e.ids)]
     e.add(new, output=True, turn=turn)
     text = chat.tok.decode(new, skip_special_tokens=True)  # whole turns: characters stay intact
-    observation = chat.truncate(e.env.step(extract_code(text)), cfg.max_obs_tokens)
     e.transcript.append({"role": "assistant", "content": text})
+    return extract_code(text)
+
+def step_together(envs, codes):
+    """Every episode's code runs at once, each call with its own deadline (AppWorld's worlds are
+    processes), so a slow or endless episode holds up no other."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(envs))) as pool:
+        futures = [pool.submit(env.step, code) for env, code in zip(envs, codes)]
+        return [future.result() for future in futures]
+
+def observe(e, output, last_turn, chat, cfg):
+    """The environment's output joins the episode as context, between the template's separators."""
+    observation = chat.truncate(output, cfg.max_obs_tokens)
     e.transcript.append({"role": "user", "content": observation})
     e.done = e.env.done or last_turn or len(e.ids) >= cfg.max_context
     if not e.done:
-        closing = [] if new and new[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
+        closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
         context = closing + chat.pre + chat.encode(observation, literal=True) + chat.post
         if len(e.ids) + len(context) < cfg.max_context:
             e.add(context)
@@ -1097,7 +1110,8 @@ def warmup(model, chat, cfg):
             env.instruction, turns = TinyWorld.demo(rng)
             e = new_episode(env, env.task_id, chat)
             for i, message in enumerate(turns):  # played as if the policy had sampled them
-                act(e, chat.encode(message) + [chat.eot], i, i == len(turns) - 1, chat, cfg)
+                code = act(e, chat.encode(message) + [chat.eot], i, chat, cfg)
+                observe(e, env.step(code), i == len(turns) - 1, chat, cfg)
             batch.append(e)
         sft_step(model, opt, batch, grad_clip=None)
 

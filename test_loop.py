@@ -968,13 +968,39 @@ def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
     e = loop.new_episode(env, "5a0f1c2_1", chat)
     env.step("1")  # the world is up and its REPL has run once
     start = time.monotonic()
-    loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, False, chat, cfg)
+    code = loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, chat, cfg)
+    loop.observe(e, env.step(code), False, chat, cfg)
     assert time.monotonic() - start < 1.0
     observation = e.transcript[-1]["content"]
     assert observation.endswith(" characters, showing the first 3000 tokens]")  # 2,000,000 x and a newline
     assert "\n[output truncated: 2000001 characters" in observation
     assert 3000 <= len(observation) < 4000
     env.evaluate()
+
+
+def test_a_turns_appworld_steps_run_together(appworld_root):
+    """Each call stops at the world's own 2 s time limit. Played together, 4 episodes' turn takes
+    about the time of one (one after another: 4 times it), and two endless loops among 4 episodes
+    hold the others up by one time limit, not two."""
+    envs = [loop.AppWorldEnv("5a0f1c2_1", 2.0, f"pytest-together{k}") for k in range(5)]
+    for env in envs:
+        env.messages()  # every world is up
+    endless = "while True:\n    pass"
+    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
+    start = time.monotonic()
+    (alone,) = loop.step_together(envs[:1], [endless])
+    one = time.monotonic() - start
+    start = time.monotonic()
+    outputs = loop.step_together(envs[1:], [endless] * 4)
+    four = time.monotonic() - start
+    assert "timed out" in alone and all("timed out" in output for output in outputs)
+    assert one > 2 and four < 2 * one
+    start = time.monotonic()
+    outputs = loop.step_together(envs[1:], [endless, count, endless, count])
+    assert time.monotonic() - start < 1.5 * one
+    assert [output.strip() for output in outputs[1::2]] == ["1", "1"] and "timed out" in outputs[0]
+    for env in envs:
+        env.evaluate()
 
 
 def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
