@@ -633,28 +633,37 @@ while batch := apis.simple_note.search_notes(access_token=token, page_index=page
 apis.supervisor.complete_task(answer=len(notes))
 ```"""
 
-def appworld_worker(conn, task_id, experiment, timeout):
-    """One AppWorld world in its own process (AppWorld allows one world per process)."""
+def appworld_worker(conn):
+    """A process that serves one AppWorld world at a time (AppWorld allows one per process), task
+    after task: its first world takes seconds to start, the later ones about 0.1 s."""
     warnings.filterwarnings("ignore")
     from appworld import AppWorld
-    world = AppWorld(task_id=task_id, experiment_name=experiment,
-                     timeout_seconds=int(max(1, timeout)))
-    s = world.task.supervisor
-    name = f"{s.first_name} {s.last_name}"
-    conn.send((world.task.instruction, name, s.email, s.phone_number, str(world.task.datetime)))
     while True:
-        command, code = conn.recv()
-        if command == "execute":
-            conn.send((world.execute(code), world.task_completed()))
+        try:
+            command, arg = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
+        if command == "load":
+            task_id, experiment, timeout, os.environ["APPWORLD_ROOT"] = arg
+            world = AppWorld(task_id=task_id, experiment_name=experiment,
+                             timeout_seconds=int(max(1, timeout)))
+            s = world.task.supervisor
+            name = f"{s.first_name} {s.last_name}"
+            conn.send((world.task.instruction, name, s.email, s.phone_number,
+                       str(world.task.datetime)))
+        elif command == "execute":
+            conn.send((world.execute(arg), world.task_completed()))
         else:
             tracker = world.evaluate()
             world.close()
             conn.send((tracker.pass_count, tracker.num_tests))
-            return
 
 class AppWorldEnv:
     """The real AppWorld (appworld package). Each episode's world lives in a worker process; one
-    that dies or hangs ends its episode as failed (reward 0) and training goes on."""
+    that dies or hangs ends its episode as failed (reward 0) and training goes on. A worker whose
+    world was evaluated waits in `idle` to load the next episode's task."""
+
+    idle = []
 
     @staticmethod
     def tasks(split):
@@ -683,18 +692,33 @@ class AppWorldEnv:
         self.done = False
         self.failed = False
         self.info = None
-        ctx = multiprocessing.get_context("fork")  # the world needs none of the model's state
-        self.conn, child = ctx.Pipe()
-        self.worker = ctx.Process(target=appworld_worker, daemon=True,
-                                  args=(child, task_id, experiment, timeout))
-        self.worker.start()
+        self.worker, self.conn = self.idle.pop() if self.idle else self.start_worker()
+        root = os.environ.get("APPWORLD_ROOT", os.getcwd())
+        self.call(("load", (task_id, experiment, timeout, root)), wait=0)  # messages() waits
+
+    @staticmethod
+    def start_worker():
+        # From the forkserver, a clean process: a fork of the trainer would inherit its CUDA state
+        # and NCCL threads, and a lock held by another thread at fork time hangs the child. The
+        # server imports the apps once (3-4 s of a world's first start) for every worker it forks.
+        from appworld.apps import get_all_apps
+        ctx = multiprocessing.get_context("forkserver")
+        apps = [f"appworld.apps.{app}.apis" for app in get_all_apps()]
+        ctx.set_forkserver_preload(["__main__", "appworld", *apps])
+        conn, child = ctx.Pipe()
+        worker = ctx.Process(target=appworld_worker, args=(child,), daemon=True)
+        worker.start()
         child.close()  # so that a dead worker reads as EOF here
+        return worker, conn
 
     def call(self, message, wait):
-        """Send `message` (None: only receive) and wait for the answer; None if the worker died."""
+        """Send `message` (None: only receive) and wait up to `wait` s (0: do not) for the answer;
+        None if the worker died or hung, which ends the episode."""
         try:
             if message is not None:
                 self.conn.send(message)
+            if wait == 0:
+                return None
             if self.conn.poll(wait):
                 return self.conn.recv()
         except (EOFError, OSError):
@@ -720,8 +744,10 @@ class AppWorldEnv:
 
     def evaluate(self):
         result = None if self.failed else self.call(("evaluate", None), wait=120)
-        self.worker.join(timeout=5)
-        return result if result is not None else (0, 1)
+        if result is None:
+            return 0, 1
+        AppWorldEnv.idle.append((self.worker, self.conn))
+        return result
 
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 

@@ -921,6 +921,23 @@ def test_appworld_rollouts_are_isolated_and_a_dead_worker_fails_its_episode(appw
     envs[2].evaluate()
 
 
+def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root):
+    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
+    env = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-reuse-a")
+    env.messages()
+    env.step(aw_solution("5a0f1c2_1", True))
+    assert env.step(count).strip() == "2" and env.evaluate() == (4, 4)
+    with open(f"/proc/{env.worker.pid}/stat") as fh:
+        parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+    assert parent != os.getpid()  # started by the forkserver, not forked from the trainer
+    again = loop.AppWorldEnv("5a0f1c2_2", 60.0, "pytest-reuse-b")
+    assert again.worker.pid == env.worker.pid  # the idle worker took the next task
+    assert AW_TASKS["5a0f1c2_2"]["instruction"] in again.messages()[1]["content"]
+    assert again.step(count).strip() == "1"  # in a world of its own: the first one's note is not there
+    again.step(aw_solution("5a0f1c2_2", True))
+    assert again.evaluate() == (4, 4)
+
+
 def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_root):
     import dataclasses
     cfg = dataclasses.replace(tiny[0], env="appworld", max_new_tokens=12, max_context=4096)
