@@ -18,6 +18,7 @@ import builtins
 import concurrent.futures
 import dataclasses
 import inspect
+import itertools
 import json
 import math
 import multiprocessing
@@ -778,15 +779,41 @@ def new_episode(env, task_id, chat):
     e.add(chat.prompt(messages))
     return e
 
+class Carry:
+    """A wave's KV cache, carried across its turns so that every token goes through the model
+    once. Row i (the wave's i-th live episode) holds the first fed[i] ids of its episode; `mask`
+    marks which cached positions are real (0: padding, or tokens sampled after a stop token)."""
+
+    def __init__(self):
+        from transformers import DynamicCache
+        self.kv = DynamicCache()
+        self.mask = None
+        self.fed = []
+
+    def keep(self, rows):
+        """Only these rows stay: the episodes that ended leave the cache."""
+        if self.mask is not None and len(rows) < len(self.fed):
+            index = torch.tensor(rows, device=self.mask.device)
+            self.kv.batch_select_indices(index)
+            self.mask = self.mask[index]
+            self.fed = [self.fed[i] for i in rows]
+
 @torch.no_grad()
-def generate(model, chat, prompts, temperature, max_new_tokens):
+def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
     """Sample one turn for a batch of episodes; returns each one's sampled ids, cut after the
-    first stop token. The update rescores them, so no per-step logits are kept here."""
+    first stop token. With a carry, only the ids its cache lacks are fed (the last turn's final
+    token, the separator, the observation); without, each prompt is prefilled whole."""
     from transformers import GenerationConfig
     pad, device = chat.tok.pad_token_id, next(model.parameters()).device
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    fed = carry.fed if carry and carry.mask is not None else [0] * len(prompts)
+    new = [p[n:] for p, n in zip(prompts, fed)]
+    width = max(map(len, new))
+    # padding in front of each row's new ids, so that all rows end at the last column
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in new], device=device)
+    attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in new], device=device)
+    if carry and carry.mask is not None:  # generate feeds only the columns past the cached ones
+        attn = torch.cat([carry.mask, attn], 1)
+        ids = torch.cat([torch.full_like(carry.mask, pad), ids], 1)
     if temperature > 0:  # the plain softmax at T, which is what the update scores
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     else:
@@ -795,8 +822,15 @@ def generate(model, chat, prompts, temperature, max_new_tokens):
                               eos_token_id=chat.stop_ids, pad_token_id=pad)
     # synced: under FSDP a rank that is done keeps joining the others' forward passes
     out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
+                         cache=carry.kv if carry else None,
                          synced_gpus=dist.is_initialized())
-    return [cut_after_stop(row, chat.stop_ids) for row in out[:, width:].tolist()]
+    rows = [cut_after_stop(row, chat.stop_ids) for row in out[:, ids.shape[1]:].tolist()]
+    if carry:  # the cache now holds every column but the last one sampled
+        n = out.shape[1] - ids.shape[1]
+        sampled = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows], device=device)
+        carry.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
+        carry.fed = [len(p) + min(len(r), n - 1) for p, r in zip(prompts, rows)]
+    return rows
 
 def cut_after_stop(ids, stop_ids):
     for i, t in enumerate(ids):
@@ -804,29 +838,48 @@ def cut_after_stop(ids, stop_ids):
             return ids[:i + 1]
     return ids
 
-def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout"):
-    """Play all episodes to the end: each turn, one batched generation for the live episodes,
-    then each one's code runs in its environment and the observation joins its sequence."""
+def turns(episodes, cfg, carry_cache):
+    """The rollout's turns, one at a time: (live episodes, turn index, their wave's carry). A wave
+    of up to batch_episodes episodes plays to its end before the next starts, so one wave's KV
+    cache exists at a time."""
+    for start in range(0, len(episodes), cfg.batch_episodes):
+        wave = episodes[start:start + cfg.batch_episodes]
+        carry = Carry() if carry_cache else None
+        rows = wave
+        for turn in itertools.count():
+            for e in wave:
+                e.done = e.done or len(e.ids) >= cfg.max_context
+            live = [e for e in wave if not e.done]
+            if not live:
+                break
+            if carry:
+                carry.keep([i for i, e in enumerate(rows) if not e.done])
+            rows = live
+            yield live, turn, carry
+
+def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout",
+            carry_cache=True):
+    """Play all episodes to the end: each turn, one batched generation for a wave's live
+    episodes, then their code runs in their environments and the observations join their
+    sequences. carry_cache=False re-prefills every turn (a reference for tests and tools/)."""
     model.eval()
     episodes = [new_episode(env, task_id, chat) for env, task_id in zip(envs, task_ids)]
-    quiet = True if rank_world()[0] else None  # None: a bar only on a terminal
-    for turn in tqdm(range(max_turns), desc=desc, leave=False, disable=quiet):
-        for e in episodes:
-            e.done = e.done or len(e.ids) >= cfg.max_context
-        live = [e for e in episodes if not e.done]
+    steps = turns(episodes, cfg, carry_cache)
+    bar = tqdm(desc=desc, leave=False, disable=True if rank_world()[0] else None)
+    while True:
+        live, turn, carry = next(steps, ([], 0, None))
         # Every rank runs as many generations as the busiest one (FSDP's collectives must match)
-        n_batches = int(all_reduce([math.ceil(len(live) / cfg.batch_episodes)], "max")[0])
-        if n_batches == 0:
+        if not all_reduce([len(live)], "max")[0]:
             break
         room = max((cfg.max_context - len(e.ids) for e in live), default=1)
-        for b in range(n_batches):
-            batch = live[b * cfg.batch_episodes:(b + 1) * cfg.batch_episodes]
-            prompts = [e.ids for e in batch] or [[chat.eot]]  # nothing left: a dummy joins in
-            outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room))
-            codes = [act(e, new, turn, chat, cfg) for e, new in zip(batch, outputs)]
-            results = step_together([e.env for e in batch], codes)
-            for e, output in zip(batch, results):
-                observe(e, output, turn == max_turns - 1, chat, cfg)
+        prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
+        outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room), carry)
+        codes = [act(e, new, turn, chat, cfg) for e, new in zip(live, outputs)]
+        results = step_together([e.env for e in live], codes)
+        for e, output in zip(live, results):
+            observe(e, output, turn == max_turns - 1, chat, cfg)
+        bar.update()
+    bar.close()
     for e in episodes:
         passed, total = e.env.evaluate()
         e.reward = passed / total

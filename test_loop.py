@@ -153,8 +153,8 @@ def episodes(tiny):
     cfg, model, chat = tiny
     tasks, calls, original = ["pay00_1", "phone03_2", "note05_3", "pay07_1"], [], loop.generate
 
-    def recording(model, chat, prompts, temperature, max_new_tokens):
-        out = original(model, chat, prompts, temperature, max_new_tokens)
+    def recording(model, chat, prompts, temperature, max_new_tokens, carry=None):
+        out = original(model, chat, prompts, temperature, max_new_tokens, carry)
         calls.append(([list(p) for p in prompts], out))
         return out
 
@@ -272,6 +272,70 @@ def test_generate_samples_from_the_softmax_that_the_update_scores(biased_model, 
     assert torch.allclose(scored, sampled, atol=1e-4)
     rank = (logits > logits.gather(-1, new[..., None])).sum(-1)  # how many tokens were likelier
     assert (rank >= 20).sum() > 0  # top-k 20 would never have sampled these
+
+
+def _count_fed_tokens(model):
+    """Wraps the model's forward to count the positions it is fed; returns the running count."""
+    fed, forward = [0], model.forward
+
+    def counting(*args, **kwargs):
+        fed[0] += kwargs["input_ids"].numel()
+        return forward(*args, **kwargs)
+    model.forward = counting
+    return fed
+
+
+@pytest.mark.parametrize("batch_episodes", [5, 2])
+def test_the_carried_kv_cache_gives_the_ids_that_prefilling_every_turn_gives(tiny, batch_episodes):
+    """Greedy episodes of 1 to 3 turns (so rows leave the cache mid-wave), in one wave or three:
+    the ids are the same either way, and with the cache every token goes through the model once."""
+    import copy
+    import dataclasses
+    cfg, model, chat = tiny
+    cfg = dataclasses.replace(cfg, batch_episodes=batch_episodes, max_new_tokens=12)
+    stops = chat.stop_ids
+    chat.stop_ids = [len(chat.tok)]  # every turn samples all 12 tokens: no padding after a stop
+    played, fed = [], []
+    try:
+        for reference in ({}, {"carry_cache": False}):  # as training plays them, and re-prefilled
+            m = copy.deepcopy(model)
+            fed.append(_count_fed_tokens(m))
+            envs = [_Scripted(n) for n in (3, 1, 2, 3, 2)]
+            played.append(loop.rollout(m, chat, envs, ["x"] * 5, cfg, 0.0, 3, **reference))
+    finally:
+        chat.stop_ids = stops
+    assert [1 + max(e.turn) for e in played[0]] == [3, 1, 2, 3, 2]
+    assert [e.ids for e in played[0]] == [e.ids for e in played[1]]
+    tokens = sum(len(e.ids) for e in played[0])
+    assert fed[0][0] <= tokens < fed[1][0] / 1.5  # its last sampled token is never fed
+
+
+def test_sampling_with_the_carried_cache_equals_scoring_the_whole_episode(tiny, monkeypatch):
+    """Three turns at T = 1 through the cache: the distribution each token was sampled from (the
+    processed scores) is the one token_logprobs gives it on the finished episode, without a cache."""
+    import dataclasses
+    cfg, model, chat = tiny
+    cfg = dataclasses.replace(cfg, max_new_tokens=10)
+    calls, original = [], model.generate
+
+    def with_scores(**kwargs):
+        kwargs["generation_config"].update(output_scores=True, return_dict_in_generate=True)
+        out = original(**kwargs)
+        calls.append(torch.log_softmax(torch.stack(out.scores, 1).float(), -1))
+        return out.sequences
+    monkeypatch.setattr(model, "generate", with_scores)
+    torch.manual_seed(11)
+    eps = loop.rollout(model, chat, [_Scripted(3) for _ in range(4)], ["x"] * 4, cfg, 1.0, 3)
+    monkeypatch.undo()
+    assert len(calls) == 3 and all(1 + max(e.turn) == 3 for e in eps)
+    ids, attn, _, _ = loop.pad_batch(eps, "cpu")
+    with torch.no_grad():
+        scored = loop.token_logprobs(model, ids, attn, 1.0)
+    for i, e in enumerate(eps):
+        for turn, logp in enumerate(calls):
+            where = [t for t, k in enumerate(e.turn) if k == turn]
+            sampled = logp[i, torch.arange(len(where)), torch.tensor(e.ids)[where]]
+            assert torch.allclose(scored[i, torch.tensor(where) - 1], sampled, atol=1e-4), (i, turn)
 
 
 def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
@@ -402,7 +466,7 @@ def tiny_solution(instruction):
 def scripted_policy(write_code):
     """A stand-in for loop.generate: each episode's turn is the code write_code(task text) returns,
     where the task text is the prompt's last user message."""
-    def generate(model, chat, prompts, temperature, max_new_tokens):
+    def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
         texts = [chat.tok.decode(p).split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for p in prompts]
         return [chat.encode(f"```python\n{write_code(text)}\n```") + [chat.eot] for text in texts]
     return generate
