@@ -115,6 +115,8 @@ class Config:
     """Positions per chunk of the update's vocabulary projection: [tokens x vocab] never exists."""
     fsdp: bool = False
     """Shard weights, gradients and optimizer state over the ranks with FSDP2 (under torchrun)."""
+    rollout_full_weights: bool = False
+    """FSDP: gather each layer once per rollout, not per token (costs the full weights per GPU)."""
     bf16: bool = False
     """bf16 compute; weights, gradients and optimizer state stay fp32 (a LoRA base stays bf16)."""
     activation_checkpointing: bool = False
@@ -866,6 +868,9 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     episodes = [new_episode(env, task_id, chat) for env, task_id in zip(envs, task_ids)]
     steps = turns(episodes, cfg, carry_cache)
     bar = tqdm(desc=desc, leave=False, disable=True if rank_world()[0] else None)
+    layers = sharded_layers(model) if cfg.rollout_full_weights else []
+    for layer in layers:  # gathered by its first forward, kept until the rollout ends
+        layer.set_reshard_after_forward(False, recurse=False)
     while True:
         live, turn, carry = next(steps, ([], 0, None))
         # Every rank runs as many generations as the busiest one (FSDP's collectives must match)
@@ -880,11 +885,19 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
             observe(e, output, turn == max_turns - 1, chat, cfg)
         bar.update()
     bar.close()
+    for layer in layers:  # sharded again for the update (reshard() is not recursive)
+        layer.reshard()
+        layer.set_reshard_after_forward(True, recurse=False)
     for e in episodes:
         passed, total = e.env.evaluate()
         e.reward = passed / total
         e.success = passed == total
     return episodes
+
+def sharded_layers(model):
+    """The FSDP modules but the root, which FSDP keeps gathered after its forward anyway."""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
 
 def act(e, new, turn, chat, cfg):
     """The sampled turn joins the episode as actions; returns the code in it."""

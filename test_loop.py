@@ -1127,8 +1127,8 @@ def _synthetic_episodes(chat, n=8, seed=0):
 UPDATE_FLAGS = ["--tiny", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3"]
 
 
-def _model_and_adamw(lora, fsdp=False):
-    cfg = loop.parse_config(UPDATE_FLAGS + (["--lora"] if lora else []) + (["--fsdp"] if fsdp else []))
+def _model_and_adamw(lora, fsdp=False, flags=()):
+    cfg = loop.parse_config(UPDATE_FLAGS + (["--lora"] if lora else []) + (["--fsdp"] if fsdp else []) + list(flags))
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
     # eps = 1: Adam's first step is then smooth in the gradient (with the default eps it is
     # lr * sign(g), which flips for gradients that are zero up to the order of a reduction)
@@ -1136,11 +1136,13 @@ def _model_and_adamw(lora, fsdp=False):
     return cfg, model, tok, opt
 
 
-def _update_once(lora, fsdp=False):
-    """One optimizer step on 8 synthetic rollouts (split by rank under FSDP); returns a summary,
-    the model and the optimizer."""
-    cfg, model, tok, opt = _model_and_adamw(lora, fsdp)
+def _update_once(lora, fsdp=False, rollout_first=False):
+    """One optimizer step on 8 synthetic rollouts (split by rank under FSDP), after a rollout
+    that kept the weights gathered if rollout_first; returns a summary, the model and the optimizer."""
+    cfg, model, tok, opt = _model_and_adamw(lora, fsdp, ["--rollout-full-weights"] * rollout_first)
     eps, adv = _synthetic_episodes(loop.Chat(tok))
+    if rollout_first:
+        loop.rollout(model, loop.Chat(tok), [_Scripted(2)], ["x"], cfg, 1.0, 2)
     rank, world = loop.rank_world()
     mine = list(range(rank, len(eps), world))  # whole rollouts per rank, as tasks are split
     stats = loop.update(model, opt, [eps[i] for i in mine], adv[mine], cfg)
@@ -1175,6 +1177,9 @@ def _fsdp_worker(out):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {"lora": _update_once(True, fsdp=True)[0]}
+    result["after_rollout"] = _update_once(False, fsdp=True, rollout_first=True)[0]
+    result["lora_after_rollout"] = _update_once(True, fsdp=True, rollout_first=True)[0]
+    result["gathers"] = _count_all_gathers_in_rollouts()
     result["full"], model, opt = _update_once(False, fsdp=True)
     folder = os.path.dirname(out)
     loop.save_checkpoint(folder, model, opt, 1)
@@ -1203,6 +1208,30 @@ def _fsdp_worker(out):
     os._exit(0)
 
 
+def _count_all_gathers_in_rollouts():
+    """All-gathers of one 2-turn rollout under FSDP, by whether the weights stay gathered and by
+    how many tokens each turn samples."""
+    import torch.distributed as dist
+    gathers, all_gather = [0], dist.all_gather_single  # what FSDP2 calls to gather a layer
+
+    def counted(*args, **kwargs):
+        gathers[0] += 1
+        return all_gather(*args, **kwargs)
+    dist.all_gather_single = counted
+    counts = {}
+    for flags in ([], ["--rollout-full-weights"]):
+        for tokens in (4, 16):
+            cfg = loop.parse_config(["--tiny", "--fsdp", "--max-new-tokens", str(tokens), *flags])
+            model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+            chat = loop.Chat(tok)
+            chat.stop_ids = [len(tok)]  # every turn samples all its tokens
+            gathers[0] = 0
+            loop.rollout(model, chat, [_Scripted(2)], ["x"], cfg, 1.0, 2)
+            counts[f"{'full' if flags else 'sharded'}, {tokens} tokens"] = gathers[0]
+    dist.all_gather_single = all_gather
+    return counts
+
+
 def _torchrun(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(29500 + os.getpid() % 1000), *args],
@@ -1222,6 +1251,16 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
             assert got["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
             assert abs(got["local_params"] / got["params"] - 0.5) < 0.02  # each rank holds half
     assert ranks[0]["turns"] == [1] and ranks[1]["turns"] == [4, 2, 3]
+    # After a rollout that kept the weights gathered, the update is still the one-process update.
+    for kind, lora in (("after_rollout", False), ("lora_after_rollout", True)):
+        single = _update_once(lora)[0]
+        for rank in ranks:
+            assert rank[kind]["loss"] == pytest.approx(single["loss"], rel=1e-4, abs=1e-6)
+            assert rank[kind]["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+    # Sharded, every generated token gathers every layer again; kept gathered, it does not.
+    gathers = ranks[0]["gathers"]
+    assert gathers["full, 4 tokens"] == gathers["full, 16 tokens"] < gathers["sharded, 4 tokens"]
+    assert gathers["sharded, 16 tokens"] > 3 * gathers["sharded, 4 tokens"] / 2, gathers
     # The weights after the 2-rank step are the weights after the one-process step.
     _, model, _ = _update_once(False)
     saved = torch.load(tmp_path / "full_state.pt")
