@@ -5,6 +5,8 @@
 
 Memory is the peak growth of a fresh process's resident set (CUDA: the allocator's peak) during
 one run of a workload after an untimed warm-up run; timings are medians of alternating runs.
+Rollouts: 8 episodes of 6 turns in a scripted world, with the KV cache carried across turns and
+re-prefilled every turn; environment steps: 4 of 1 s of CPU each in processes of their own.
 """
 import dataclasses
 import json
@@ -91,9 +93,89 @@ def training_workloads(cfg, device):
     return model, chat, loop_update, sft
 
 
+class FixedWorld:
+    """Six turns, whatever the agent writes, each observation of the same length."""
+
+    def __init__(self):
+        self.turns = 0
+        self.done = False
+
+    def messages(self):
+        return [{"role": "user", "content": "Reply six times."}]
+
+    def step(self, code):
+        self.turns += 1
+        self.done = self.turns == 6
+        return "ok " * 16
+
+    def evaluate(self):
+        return 0, 1
+
+
+def rollout_figures(model, chat, cfg, device):
+    """8 episodes of 6 turns, 32 sampled tokens a turn: (tokens fed through the model / tokens in
+    the finished episodes, with the carried KV cache and re-prefilling; the carry's speedup)."""
+    cfg = dataclasses.replace(cfg, batch_episodes=8, max_new_tokens=32, max_context=4096)
+    fed, forward = [0], model.forward
+
+    def counting(*args, **kwargs):
+        fed[0] += kwargs["input_ids"].numel()  # the prompts are equal: no padding is fed
+        return forward(*args, **kwargs)
+    model.forward = counting
+    ratios, times = {}, {True: [], False: []}
+    for _ in range(3):  # alternating: a noisy CPU drifts
+        for carry_cache in (True, False):
+            fed[0] = 0
+            start = time.perf_counter()
+            episodes = loop.rollout(model, chat, [FixedWorld() for _ in range(8)], ["x"] * 8,
+                                    cfg, 1.0, 6, carry_cache=carry_cache)
+            times[carry_cache].append(time.perf_counter() - start)
+            ratios[carry_cache] = fed[0] / sum(len(e.ids) for e in episodes)
+    model.forward = forward
+    return ratios[True], ratios[False], median(times[False]) / median(times[True])
+
+
+def busy(seconds):
+    """About `seconds` of CPU, as code running in an AppWorld worker takes."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    return "done"
+
+
+class BusyWorld:
+    """A world whose code runs in a process of its own, as AppWorld's does, for 1 s of CPU."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def step(self, code):
+        return self.pool.apply(busy, (1.0,))
+
+
+def env_parallel_speedup():
+    """4 episodes' steps of 1 s of CPU each: one after another / together (loop.step_together)."""
+    pool = multiprocessing.get_context("spawn").Pool(4)
+    worlds = [BusyWorld(pool) for _ in range(4)]
+    pool.map(busy, [0.1] * 4)  # the processes are up before anything is timed
+    ratios = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for world in worlds:
+            world.step("")
+        one_by_one = time.perf_counter() - start
+        start = time.perf_counter()
+        loop.step_together(worlds, [""] * 4)
+        ratios.append(one_by_one / (time.perf_counter() - start))
+    pool.close()
+    pool.join()
+    return median(ratios)
+
+
 def measure(name, cfg):
-    """In a fresh process: "speed" -> (median seconds of a LOOP update, of a fine-tuning step,
-    speedup of batched generation); any other workload -> its peak memory in bytes."""
+    """In a fresh process: "speed" -> median seconds of a LOOP update and of a fine-tuning step,
+    the speedups of batched generation and of the carried cache, and prefill ratios; any other
+    workload -> its peak memory in bytes."""
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "chunked":
@@ -116,7 +198,10 @@ def measure(name, cfg):
     def batched():
         loop.generate(model, chat, prompts, 1.0, 64)
     speedups = [seconds(one_at_a_time, device) / seconds(batched, device) for _ in range(3)]
-    return median([a for a, _ in pairs]), median([b for _, b in pairs]), median(speedups)
+    carried, reprefilled, carry_speedup = rollout_figures(model, chat, cfg, device)
+    return {"loop_s": median([a for a, _ in pairs]), "sft_s": median([b for _, b in pairs]),
+            "batch_speedup": median(speedups), "prefill_ratio": carried,
+            "reprefill_ratio": reprefilled, "carry_speedup": carry_speedup}
 
 
 def in_fresh_process(name, cfg):
@@ -126,7 +211,9 @@ def in_fresh_process(name, cfg):
 
 def bench(cfg):
     cfg = dataclasses.replace(cfg, epochs=2, minibatch_size=8, micro_batch_size=8, warmup_steps=0)
-    loop_s, sft_s, speedup = in_fresh_process("speed", cfg)
+    speed = in_fresh_process("speed", cfg)
+    loop_s, sft_s = speed["loop_s"], speed["sft_s"]
+    env_speedup = env_parallel_speedup()
     # CPU memory: a freed tensor leaves the resident set at once, in the processes started below
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     loop_mem, sft_mem, chunk_mem, full_mem = [in_fresh_process(name, cfg)
@@ -139,13 +226,17 @@ def bench(cfg):
             "update_peak_mem_ratio": round(loop_mem / sft_mem, 3),  # 8 rollouts x 512 tokens
             "update_time_ratio": round(loop_s / (cfg.epochs * sft_s), 3),  # per optimizer step
             "logprob_chunked_mem_ratio": round(chunk_mem / full_mem, 3),  # 8192 tokens x 151,936
-            "rollout_batch_speedup": round(speedup, 2),  # tokens/s, 8 episodes batched vs 1 by 1
+            "rollout_batch_speedup": round(speed["batch_speedup"], 2),  # 8 batched / 1 by 1
+            "prefill_ratio": round(speed["prefill_ratio"], 3),  # tokens fed / episode tokens
+            "rollout_speedup": round(speed["carry_speedup"], 2),  # tokens/s, carried / re-prefill
+            "env_parallel_speedup": round(env_speedup, 2),  # 4 steps of 1 s: one by one / together
             "update_peak_mem_mb": round(loop_mem / 2**20, 1),
             "sft_peak_mem_mb": round(sft_mem / 2**20, 1),
             "update_seconds": round(loop_s, 3),
             "sft_step_seconds": round(sft_s, 3),
             "logprob_chunked_mem_mb": round(chunk_mem / 2**20, 1),
-            "logprob_full_mem_mb": round(full_mem / 2**20, 1)}
+            "logprob_full_mem_mb": round(full_mem / 2**20, 1),
+            "reprefill_ratio": round(speed["reprefill_ratio"], 3)}
 
 
 def main(argv):
