@@ -112,7 +112,7 @@ class FixedWorld:
         return 0, 1
 
 
-def rollout_figures(model, chat, cfg, device):
+def rollout_figures(model, chat, cfg):
     """8 episodes of 6 turns, 32 sampled tokens a turn: (tokens fed through the model / tokens in
     the finished episodes, with the carried KV cache and re-prefilling; the carry's speedup)."""
     cfg = dataclasses.replace(cfg, batch_episodes=8, max_new_tokens=32, max_context=4096)
@@ -198,7 +198,7 @@ def measure(name, cfg):
     def batched():
         loop.generate(model, chat, prompts, 1.0, 64)
     speedups = [seconds(one_at_a_time, device) / seconds(batched, device) for _ in range(3)]
-    carried, reprefilled, carry_speedup = rollout_figures(model, chat, cfg, device)
+    carried, reprefilled, carry_speedup = rollout_figures(model, chat, cfg)
     return {"loop_s": median([a for a, _ in pairs]), "sft_s": median([b for _, b in pairs]),
             "batch_speedup": median(speedups), "prefill_ratio": carried,
             "reprefill_ratio": reprefilled, "carry_speedup": carry_speedup}
