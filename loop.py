@@ -106,9 +106,11 @@ class Config:
     eval: bool = False
     """Only evaluate `split`, no training."""
     warmup_steps: int = 0
-    """Supervised steps on format-only demonstrations before RL (tiny model only)."""
+    """Supervised steps on a careless agent's demonstrations before RL (tiny model only)."""
+    warmup_drills: int = 2000
+    """Most steps of docs-reading drills before them; they stop once the model copies names."""
     warmup_lr: float = 1e-3
-    """Peak learning rate of the format warm-up (decays linearly to zero)."""
+    """Peak learning rate of the warm-up (decays linearly to zero)."""
     batch_episodes: int = 256
     """Episodes generated together in one batch (per rank); bounds the KV cache."""
     logprob_chunk: int = 512
@@ -127,8 +129,8 @@ class Config:
     """Run directory to continue from its last complete checkpoint (its config.json is the base)."""
 
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.json")
-AT_LEAST = {"iterations": 0, "warmup_steps": 0, "rollouts_per_task": 2, "weight_decay": 0,
-            "min_abs_advantage": 0, "eval_temperature": 0}
+AT_LEAST = {"iterations": 0, "warmup_steps": 0, "warmup_drills": 0, "rollouts_per_task": 2,
+            "weight_decay": 0, "min_abs_advantage": 0, "eval_temperature": 0}
 """The lowest value of the numeric settings that may reach it; all others but seed must be > 0."""
 RATIOS = ("token", "turn", "trajectory", "none")
 
@@ -218,11 +220,14 @@ def build_tiny_tokenizer(corpus, vocab_size=1024):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tk = Tokenizer(models.BPE())
-    # Quoted strings, numbers and words stand alone; runs of code between them may merge whole.
-    words = pre_tokenizers.Split(Regex(r'"[^"\n]{0,16}"|\d+| ?[A-Za-z]+(?=[ .?,])'),
-                                 behavior="isolated")
+    # Words, numbers, quotes and runs of other characters stand alone: a merge never joins a name
+    # to what is around it, so it tokenizes the same in an instruction, in code and in an output.
+    # A dot stays with the word after it: the name after `.shop` in the docs is the name after
+    # `.shop` in a call, and a model this small finds it by matching that one token.
+    words = Regex(r'\.?[A-Za-z]+|\d+|"|[^A-Za-z\d"]+')
+    words_apart = pre_tokenizers.Split(words, behavior="isolated")
     tk.pre_tokenizer = pre_tokenizers.Sequence(
-        [words, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        [words_apart, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
@@ -447,167 +452,208 @@ def run_code(code, namespace, timeout, max_chars=20000):
         sys.settrace(previous)
     return ("".join(output) + status).strip() or "Execution successful."
 
-NAMES = ["alice", "bob", "carol", "dave", "erin", "frank"]
-TOPICS = ["milk", "books", "rent", "trip", "gym", "lunch"]
-DEMO_REQUESTS = [  # warm-up request families that no split contains: call, pin, ask, say
-    ['Call "{name}".', 'Give "{name}" a call.', 'Ring "{name}" please.',
-     '"{name}" is waiting for your call.'],
-    ['Pin the note "{topic}".', 'Pin "{topic}" to the top.', 'Keep the note "{topic}" pinned.',
-     'The note "{topic}" should be pinned.'],
-    ['Ask "{name}" for {n} dollars.', 'Request {n} dollars from "{name}".',
-     '"{name}" owes me {n} dollars; ask for them.', 'Get {n} dollars back from "{name}".'],
-    ["Say {value}.", "Reply with {value}.", "Answer {value} and finish.",
-     "My answer is {value}; give it."]]
+def word_pool():
+    """Names and product titles: two syllables each (kofi, lena, ...)."""
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = [a + b for a in syllables for b in syllables]
+    return random.Random(0).sample(words, 560)
 
-def app(**apis):
-    """An app whose APIs are its attributes, called as apis.bank.send(to=..., amount=...)."""
-    return type("App", (), {name: staticmethod(f) for name, f in apis.items()})
+WORDS = word_pool()
+NUMBERS = [str(n) for n in random.Random(1).sample(range(10, 100), 90)]
+# Tasks draw their people, items, API names, amounts and extensions from the first part of each
+# pool, the warm-up's demonstrations from the rest: no demonstration shows a value of any task.
+TASK_VALUES = {"words": WORDS[:60], "numbers": NUMBERS[:30]}
+DEMO_VALUES = {"words": WORDS[60:], "numbers": NUMBERS[30:]}
+
+class App:
+    """An app whose APIs are its attributes, called as apis.bank.kofi(name=..., amount=...)."""
+
+    def __init__(self, name, **apis):
+        self.__dict__.update(apis)
+        self.app_name = name
+
+    def __getattr__(self, api):  # only for names the app lacks
+        raise AttributeError(f"{self.app_name} has no API named {api!r}")
 
 class TinyWorld:
-    """A miniature AppWorld: three stateful apps (contacts, bank, notes) behind `apis`, a
-    supervisor who receives the answer, and unit-test-like checks on the end state. Tasks come in
-    scenarios of three (same template, different values); train and test hold other scenarios."""
+    """A miniature AppWorld: a shop, a bank and contacts behind `apis`, whose API names change
+    from world to world and are in no prompt, as an AppWorld agent meets apps it does not know:
+    only apis.api_docs tells them. A supervisor receives the answer; unit-test-like checks judge
+    the end state. Tasks come in scenarios of three (one template, three worlds); train and test
+    hold other scenarios."""
 
-    FAMILIES = {"pay": 'Send {amount} dollars to "{name}".',
-                "phone": 'What is the phone number of "{name}"?',
-                "note": 'Create a note titled "{topic}".'}
-    SYSTEM = ("You act for your supervisor. Write Python in ```python blocks; it runs in a REPL "
-              "with `apis`: contacts.phone(name), contacts.call(name), bank.balance(), "
-              "bank.send(to, amount), bank.request(name, amount), notes.create(title), "
-              "notes.pin(title), supervisor.complete_task(answer=None).")
+    FAMILIES = {"order": "Order the item at the top of my wishlist.",
+                "payback": "Pay back the last person who paid me, the same amount.",
+                "phone": "What is the phone extension of the last person who paid me?"}
+    APPS = {"order": "shop", "payback": "bank", "phone": "contacts"}
+    SYSTEM = ("Apps: shop, bank, contacts; see apis.api_docs.show(app). Mine: "
+              "apis.supervisor.wishlist(), apis.supervisor.payments() (latest first), "
+              "apis.supervisor.complete_task(answer=None)")
+    LOOKUP = "apis.api_docs."
+    """Code that reads documentation: the behaviour the paper sees RL bring out."""
 
     @staticmethod
     def tasks(split):
-        ids = [f"{family}{i:02d}_{n}" for family in TinyWorld.FAMILIES for i in range(12)
-               for n in (1, 2, 3)]
-        scenarios = sorted({t.split("_")[0] for t in ids})
-        random.Random(1234).shuffle(scenarios)
+        """Per family 12 scenarios of 3 tasks: 9 scenarios train, 3 test."""
         if split not in ("train", "test"):
             die(f"the tiny world's splits are train and test, not {split!r}")
-        chosen = scenarios[9:] if split == "train" else scenarios[:9]
-        return [t for t in ids if t.split("_")[0] in chosen]
+        scenarios = range(3) if split == "test" else range(3, 12)
+        return [f"{family}{i:02d}_{n}" for family in TinyWorld.FAMILIES for i in scenarios
+                for n in (1, 2, 3)]
 
     def __init__(self, task_id, timeout=5.0, experiment=None):
         self.task_id = task_id
         self.timeout = timeout
-        scenario = task_id.split("_")[0]  # "<family><ii>"
-        self.family = scenario.rstrip("0123456789")
-        i = int(scenario[len(self.family):])
-        rng = random.Random(task_id)
+        self.family = task_id.split("_")[0].rstrip("0123456789")
+        self.populate(random.Random(task_id), TASK_VALUES)
+
+    def populate(self, rng, values):
+        """The world's state, drawn from `values` (TASK_VALUES or DEMO_VALUES)."""
+        words = rng.sample(values["words"], 10)
+        people = words[:4]
+        # Each world names its apps' APIs anew, as AppWorld's apps are new to an agent: a name
+        # that is not read from the docs is a guess that fails.
+        self.api = dict(zip(self.APPS.values(), words[4:7]))
+        self.wishlist = words[7:]  # top first
+        self.phones = dict(zip(people, map(int, rng.sample(values["numbers"], 4))))
+        amounts = map(int, rng.sample(values["numbers"], 2))
+        self.payments = list(zip(people[:2], amounts))  # latest first
         self.instruction = self.FAMILIES[self.family]
-        self.params = {"name": NAMES[i % len(NAMES)], "topic": TOPICS[i % len(TOPICS)],
-                       "amount": rng.randint(1, 5)}
-        self.phones = {n: f"555-{rng.randint(1000, 9999)}" for n in NAMES}
-        self.balance = rng.randint(20, 99)
         self.transfers = []
-        self.notes = []
+        self.orders = []
         self.answer = None
         self.done = False
         self.namespace = {"apis": self.apis()}
 
     def apis(self):
-        """The apps' APIs. call, request and pin serve only the warm-up; no check reads them."""
+        def wishlist():
+            return list(self.wishlist)
+
+        def payments():
+            return [{"name": who, "amount": amount} for who, amount in self.payments]
+
+        def buy(item):
+            self.orders.append(item)
+            return f"ordered {item}"
+
+        def send(name, amount):
+            if name not in self.phones:
+                raise KeyError(f"no contact named {name!r}")
+            self.transfers.append((name, amount))
+            return f"sent {amount} to {name}"
+
         def phone(name):
             if name not in self.phones:
                 raise KeyError(f"no contact named {name!r}")
             return self.phones[name]
-
-        def call(name):
-            return f"calling {phone(name)}"
-
-        def balance():
-            return self.balance
-
-        def send(to, amount):
-            if to not in self.phones:
-                raise KeyError(f"no contact named {to!r}")
-            if not isinstance(amount, int) or not 0 < amount <= self.balance:
-                raise ValueError(f"invalid amount {amount!r}; balance is {self.balance}")
-            self.balance -= amount
-            self.transfers.append((to, amount))
-            return "sent"
-
-        def request(name, amount):
-            phone(name)
-            return "requested"
-
-        def create(title):
-            self.notes.append(str(title))
-            return len(self.notes)
-
-        def pin(title):
-            return f"pinned {title}"
 
         def complete_task(answer=None):
             self.answer = answer
             self.done = True
             return "task completed"
 
-        return app(contacts=app(phone=phone, call=call),
-                   bank=app(balance=balance, send=send, request=request),
-                   notes=app(create=create, pin=pin),
-                   supervisor=app(complete_task=complete_task))
+        supervisor = App("supervisor", wishlist=wishlist, payments=payments,
+                         complete_task=complete_task)
+        return App("apis", api_docs=App("api_docs", show=self.docs), supervisor=supervisor,
+                   shop=App("shop", **{self.api["shop"]: buy}),
+                   bank=App("bank", **{self.api["bank"]: send}),
+                   contacts=App("contacts", **{self.api["contacts"]: phone}))
+
+    def docs(self, app):
+        docs = {"shop": "(item): orders an item", "bank": "(name, amount): sends money",
+                "contacts": "(name): a phone extension"}
+        if app not in docs:
+            raise KeyError(f"no app named {app!r}; the apps are shop, bank, contacts")
+        return f"apis.{app}.{self.api[app]}{docs[app]}"
 
     def messages(self):
         return [{"role": "system", "content": self.SYSTEM},
-                {"role": "user", "content": self.instruction.format(**self.params)}]
+                {"role": "user", "content": self.instruction}]
 
     def step(self, code):
         return run_code(code, self.namespace, self.timeout)
 
     def evaluate(self):
         """Checks on the end state; partial credit always points at the full solution."""
-        p, t = self.params, self.transfers
-        if self.family == "pay":
-            checks = [len(t) == 1, bool(t) and all(to == p["name"] for to, _ in t),
-                      bool(t) and all(amount == p["amount"] for _, amount in t), self.done]
-        elif self.family == "phone":
-            phone = self.phones[p["name"]]
-            checks = [self.answer in self.phones.values(), self.answer == phone, self.done]
+        last, amount = self.payments[0]
+        if self.family == "order":
+            checks = [len(self.orders) == 1, self.orders == self.wishlist[:1]]
+        elif self.family == "payback":
+            checks = [len(self.transfers) == 1, [to for to, _ in self.transfers] == [last],
+                      [amount for _, amount in self.transfers] == [amount]]
         else:
-            checks = [len(self.notes) == 1, self.notes == [p["topic"]], self.done]
-        return sum(checks), len(checks)
+            checks = [self.answer in self.phones.values(), self.answer == self.phones[last]]
+        return sum(checks) + self.done, len(checks) + 1
+
+    # The warm-up's agent, a stand-in for an instruction-tuned model: it knows the task families
+    # and the code they take, but it is careless in ways RL can correct. Each demonstration:
+    LOOK = {"order": 0.8, "payback": 0.2, "phone": 0.2}  # reads the docs before acting, else
+    # calls the API by a name it assumes, as a model does with an app it believes it knows
+    RECOVER = 0.4  # after an assumed name fails, reads the docs and goes on (else gives up)
+    WRONG = 0.3  # takes the last entry of a list for the first
 
     @staticmethod
     def demo(rng):
-        """A warm-up demonstration that solves no train or test task: a request of a family in no
-        split (call, pin, ask, say: each copies the request's quoted values into the arguments of
-        an API no task needs), or random calls with random arguments under a neutral request."""
-        name, topic, n = rng.choice(NAMES), rng.choice(TOPICS), rng.randint(1, 5)
-        value = rng.choice([f'"{name}"', f'"{topic}"', str(n)])
-        done = "\napis.supervisor.complete_task()"
-        family = rng.randrange(5)
-        if family < 4:  # many phrasings of each: what carries over is "quoted values are arguments"
-            phrasing = rng.choice(DEMO_REQUESTS[family])
-            request = phrasing.format(name=name, topic=topic, n=n, value=value)
-            code = [f'apis.contacts.call(name="{name}"){done}',
-                    f'apis.notes.pin(title="{topic}"){done}',
-                    f'apis.bank.request(name="{name}", amount={n}){done}',
-                    f"apis.supervisor.complete_task(answer={value})"][family]
-            return rng.choice(["", "Hello. ", "Next: "]) + request, [f"```python\n{code}\n```"]
-        looks = ["print(apis.bank.balance())",
-                 f'print(apis.contacts.phone(name="{rng.choice(NAMES)}"))']
-        acts = [f'apis.bank.send(to="{rng.choice(NAMES)}", amount={rng.randint(1, 5)}){done}',
-                "apis.supervisor.complete_task(answer=apis.contacts.phone("
-                f'name="{rng.choice(NAMES)}"))',
-                f'apis.notes.create(title="{rng.choice(TOPICS)}"){done}']
-        turns = [rng.choice(looks)] if rng.random() < 0.3 else []
-        turns.append(rng.choice(acts))
-        return "Try the apis.", [f"```python\n{c}\n```" for c in turns]
+        """A world of a random family whose names and values no task uses, and the code of the
+        careless agent for it, one string per turn."""
+        world = TinyWorld(f"{rng.choice(list(TinyWorld.FAMILIES))}00_1")
+        world.task_id = "demo"
+        world.populate(rng, DEMO_VALUES)
+        return world, world.careless_agent(rng)
+
+    def careless_agent(self, rng):
+        app = self.APPS[self.family]
+        docs = f'print(apis.api_docs.show(app="{app}"))'
+        index = -1 if rng.random() < self.WRONG else 0
+        codes = []
+        if rng.random() >= self.LOOK[self.family]:
+            assumed = rng.choice([w for w in DEMO_VALUES["words"] if w != self.api[app]])
+            codes.append(self.action(assumed, index))  # an AttributeError, nothing changes
+            if rng.random() >= self.RECOVER:
+                return codes + ["apis.supervisor.complete_task()"]
+        codes += [docs, self.action(self.api[app], index)]
+        if self.family == "phone":
+            return codes + ["apis.supervisor.complete_task(answer=x)"]
+        return codes + ["apis.supervisor.complete_task()"]
+
+    @staticmethod
+    def drill(rng):
+        """The warm-up's short exercise in reading docs: an API's doc line, then the family's
+        action calling that API. A small model learns to copy a name it has never seen only from
+        many such copies; in the demonstrations a name is 2 tokens of about 150."""
+        world, _ = TinyWorld.demo(rng)
+        app = world.APPS[world.family]
+        return world.docs(app), world.action(world.api[app], 0)
+
+    def action(self, api, index):
+        """The family's one line of work, calling the app's API by the name `api`."""
+        app = self.APPS[self.family]
+        if self.family == "order":
+            return f"apis.shop.{api}(item=apis.supervisor.wishlist()[{index}])"
+        last = f"apis.supervisor.payments()[{index}]"
+        if self.family == "payback":
+            return f"apis.bank.{api}(**{last})"
+        return f'x = apis.{app}.{api}(name={last}["name"])'
 
     @staticmethod
     def corpus():
-        """The text the tiny tokenizer is trained on: prompts, tasks, demonstrations, outputs."""
-        rng, world = random.Random(0), TinyWorld("pay00_1")
-        text = [world.SYSTEM] * 20
-        for split in ("train", "test"):
-            text += [TinyWorld(t).messages()[1]["content"] for t in TinyWorld.tasks(split)]
+        """The text the tiny tokenizer is trained on: the prompt and demonstrations, their names
+        spelled in syllables. Had a demonstration's name become one token, it would be a different
+        kind of token than the pieces of a task's name, and copying it would not carry over."""
+        rng = random.Random(0)
+        text = [TinyWorld.SYSTEM] * 20
         for _ in range(2000):
-            request, turns = TinyWorld.demo(rng)
-            text += [request, *turns]
-        text += list(world.phones.values())
-        return text + ["system user assistant", "Execution successful.",
-                       "Execution failed. KeyError: ValueError: task completed"]
+            world, codes = TinyWorld.demo(rng)
+            text.append(world.instruction)
+            for code in codes:
+                text += [fence(code), world.step(code)]
+        pool = set(WORDS)
+
+        def spell(match):
+            word = match.group()
+            return f"{word[:2]} {word[2:]}" if word in pool else word
+
+        return [re.sub("[a-z]+", spell, line) for line in text] + ["system user assistant"]
 
 APPWORLD_PROMPT = """You are an AI assistant who acts for your supervisor by operating their apps. \
 You work in a Python REPL: every reply of yours is code in ```python blocks, which runs, and its \
@@ -667,6 +713,7 @@ class AppWorldEnv:
     world was evaluated waits in `idle` to load the next episode's task."""
 
     idle = []
+    LOOKUP = "apis.api_docs."
 
     @staticmethod
     def tasks(split):
@@ -1186,26 +1233,58 @@ def read_metrics(path):
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Main: format warm-up (tiny only), then iterations of rollouts -> advantages -> update
-def warmup(model, chat, cfg):
-    """Teach a random model the action format, a stand-in for instruction tuning, on
-    demonstrations that solve no train or test task (TinyWorld.demo)."""
+# 10. Main: warm-up (tiny only), then iterations of rollouts -> advantages -> update
+def warmup(model, chat, cfg, drills=8):
+    """Make the random model a weak instruct model, in worlds whose names and values no task uses.
+    First it learns to copy from its context, as a pretrained model can: `drills` docs-reading
+    drills a step until it writes 90% of 64 fresh drills right (at most warmup_drills steps).
+    Then the careless agent's demonstrations, drills mixed in, over warmup_steps, the learning
+    rate decaying to zero so that the last random batches do not decide where RL starts."""
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     model.train()
-    for step in tqdm(range(cfg.warmup_steps), desc="format warm-up", disable=None):
-        # the learning rate decays to zero: the last random batches do not decide where RL starts
+    for step in tqdm(range(cfg.warmup_drills), desc="warm-up: drills", disable=None):
+        sft_step(model, opt, [drill_episode(rng, chat) for _ in range(drills)], grad_clip=None)
+        if step % 50 == 49 and copied(model, [drill_episode(rng, chat) for _ in range(64)]) >= 0.9:
+            break
+    for step in tqdm(range(cfg.warmup_steps), desc="warm-up: demonstrations", disable=None):
         opt.param_groups[0]["lr"] = cfg.warmup_lr * (1 - step / cfg.warmup_steps)
-        batch = []
-        for _ in range(16):
-            env = TinyWorld("pay00_1", timeout=cfg.code_timeout)
-            env.instruction, turns = TinyWorld.demo(rng)
+        batch = [drill_episode(rng, chat) for _ in range(2)]
+        for _ in range(8):
+            env, codes = TinyWorld.demo(rng)
+            env.timeout = cfg.code_timeout
             e = new_episode(env, env.task_id, chat)
-            for i, message in enumerate(turns):  # played as if the policy had sampled them
-                code = act(e, chat.encode(message) + [chat.eot], i, chat, cfg)
-                observe(e, env.step(code), i == len(turns) - 1, chat, cfg)
+            for i, code in enumerate(codes):  # played as if the policy had sampled them
+                act(e, chat.encode(fence(code)) + [chat.eot], i, chat, cfg)
+                observe(e, env.step(code), i == len(codes) - 1, chat, cfg)
             batch.append(e)
         sft_step(model, opt, batch, grad_clip=None)
+
+def drill_episode(rng, chat, exchanges=4):
+    """One drill episode: after the system prompt, `exchanges` times a doc line and the call that
+    uses it (TinyWorld.drill). Later exchanges sit where an episode's later turns do, so the copy
+    learnt there is the one an episode needs."""
+    e = Episode("drill", None, [], [], [], [])
+    for turn in range(exchanges):
+        doc, code = TinyWorld.drill(rng)
+        if turn == 0:
+            e.add(chat.prompt([{"role": "system", "content": TinyWorld.SYSTEM},
+                               {"role": "user", "content": doc}]))
+        else:
+            e.add(chat.pre + chat.encode(doc, literal=True) + chat.post)
+        e.add(chat.encode(fence(code)) + [chat.eot], output=True, turn=turn)
+    return e
+
+@torch.no_grad()
+def copied(model, episodes):
+    """The share of episodes whose every output token is the model's greedy choice."""
+    ids, attn, is_output, _ = pad_batch(episodes, next(model.parameters()).device)
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
+    wrong = (logits.argmax(-1) != ids[:, 1:]) & is_output[:, 1:]
+    return (~wrong.any(1)).float().mean().item()
+
+def fence(code):
+    return f"```python\n{code}\n```"
 
 def sft_step(model, opt, episodes, grad_clip):
     """One supervised step: the mean log-likelihood of the output tokens (the warm-up, and the
@@ -1237,12 +1316,28 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
     advantages = loo_advantages(rewards, cfg.normalize_rewards).flatten()
     stats = update(model, opt, episodes, advantages, cfg)
-    n, reward, success, turns, tokens = all_reduce([
+    looked, erred, recovered = behaviour(episodes)
+    n, reward, success, turns, tokens, looked, erred, recovered = all_reduce([
         len(episodes), rewards.sum().item(), sum(e.success for e in episodes),
-        sum(1 + max(e.turn) for e in episodes), sum(len(e.ids) for e in episodes)])
+        sum(1 + max(e.turn) for e in episodes), sum(len(e.ids) for e in episodes),
+        looked, erred, recovered])
     return {"iteration": iteration, "reward_mean": reward / n, "success_rate": success / n,
-            "turns_mean": turns / n, "tokens_mean": tokens / n, **stats,
+            "turns_mean": turns / n, "tokens_mean": tokens / n, "looked_first": looked / n,
+            "error_rate": erred / n, "recovered": recovered / max(erred, 1), **stats,
             "seconds": round(time.time() - started, 2)}
+
+def behaviour(episodes):
+    """Counts of two habits the paper sees RL change (§5): episodes whose first code reads the
+    docs, episodes that met an error, and of those the ones that still succeeded."""
+    looked = erred = recovered = 0
+    for e in episodes:
+        codes = [extract_code(m["content"]) for m in e.transcript if m["role"] == "assistant"]
+        outputs = [m["content"] for m in e.transcript[2:] if m["role"] == "user"]
+        looked += bool(codes) and e.env.LOOKUP in codes[0]
+        if any(o.startswith("Execution failed") for o in outputs):
+            erred += 1
+            recovered += e.success
+    return looked, erred, recovered
 
 def start_distributed():
     if "RANK" not in os.environ:

@@ -1,9 +1,12 @@
 """Tests for loop.py: hand-computed advantages and objectives, masks, token bookkeeping, the tiny
 world, config errors and an end-to-end smoke run. All offline; run with `python -m pytest -q`."""
+import collections
+import dataclasses
 import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -138,7 +141,8 @@ def test_environment_tokens_cannot_change_the_loss(kind):
 # ---------------------------------------------------------------- tiny model fixtures
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = loop.parse_config(["--tiny", "--warmup-steps", "40", "--seed", "0", "--max-new-tokens", "24"])
+    cfg = loop.parse_config(["--tiny", "--warmup-steps", "80", "--warmup-drills", "50", "--seed", "0",
+                             "--max-new-tokens", "24"])
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
     chat = loop.Chat(tok)
     random.seed(0)
@@ -151,7 +155,7 @@ def tiny():
 def episodes(tiny):
     """Four real episodes from the tiny model; every generate() call is recorded."""
     cfg, model, chat = tiny
-    tasks, calls, original = ["pay00_1", "phone03_2", "note05_3", "pay07_1"], [], loop.generate
+    tasks, calls, original = ["payback00_1", "phone03_2", "order05_3", "payback07_1"], [], loop.generate
 
     def recording(model, chat, prompts, temperature, max_new_tokens, carry=None):
         out = original(model, chat, prompts, temperature, max_new_tokens, carry)
@@ -180,8 +184,10 @@ def test_sampled_ids_are_kept_exactly_and_masked(episodes):
     assert len(calls) >= 2  # several turns were played
     covered = {id(e): 0 for e in eps}
     for prompts, outs in calls:
+        taken = set()  # two tasks of one family open with the same prompt
         for prompt, new in zip(prompts, outs):
-            (e,) = [e for e in eps if e.ids[:len(prompt)] == prompt]
+            e = next(e for e in eps if e.ids[:len(prompt) + len(new)] == prompt + new and id(e) not in taken)
+            taken.add(id(e))
             span = slice(len(prompt), len(prompt) + len(new))
             assert e.ids[span] == new and all(e.is_output[span])
             covered[id(e)] += len(new)
@@ -411,38 +417,78 @@ def _run(task, *codes):
     return w, obs, w.evaluate()
 
 
-def test_tiny_world_pay_correct_partial_wrong():
-    w = loop.TinyWorld("pay03_2")
-    name, amount = w.params["name"], w.params["amount"]
-    good = f'apis.bank.send(to="{name}", amount={amount})\napis.supervisor.complete_task()'
-    assert _run("pay03_2", good)[2] == (4, 4)
-    partial = f'apis.bank.send(to="{name}", amount={amount % 9 + 1})\napis.supervisor.complete_task()'
-    assert _run("pay03_2", partial)[2] == (3, 4)
-    assert _run("pay03_2", "apis.supervisor.complete_task()")[2] == (1, 4)
+def _docs(w, app):
+    return w.step(f'print(apis.api_docs.show(app="{app}"))')
 
 
-def test_tiny_world_phone_needs_the_right_contact_and_can_take_two_turns():
-    w = loop.TinyWorld("phone04_1")
-    name = w.params["name"]
-    world, obs, result = _run("phone04_1", f'print(apis.contacts.phone(name="{name}"))', "")
-    assert obs[0] == world.phones[name] and result == (0, 3)
-    world, obs, result = _run("phone04_1", f'p = apis.contacts.phone(name="{name}")', "apis.supervisor.complete_task(answer=p)")
+def test_tiny_world_order_needs_the_api_name_from_the_docs():
+    w = loop.TinyWorld("order04_2")
+    buy = w.api["shop"]
+    assert _docs(w, "shop") == f"apis.shop.{buy}(item): orders an item"
+    good = f"apis.shop.{buy}(item=apis.supervisor.wishlist()[0])"
+    assert _run("order04_2", good, "apis.supervisor.complete_task()")[2] == (3, 3)
+    assert _run("order04_2", good)[2] == (2, 3)  # not completed
+    assert _run("order04_2", good.replace("[0]", "[-1]"), "apis.supervisor.complete_task()")[2] == (2, 3)
+    wrong = next(a for a in loop.TASK_VALUES["words"] if a != buy)
+    world, obs, result = _run("order04_2", good.replace(buy, wrong))
+    assert obs[0] == f"Execution failed. AttributeError: shop has no API named '{wrong}'"
+    assert result == (0, 3) and not world.orders
+
+
+def test_tiny_world_payback_pays_the_last_payment():
+    w = loop.TinyWorld("payback05_3")
+    (last, amount), (other, other_amount) = w.payments
+    assert _docs(w, "bank") == f"apis.bank.{w.api['bank']}(name, amount): sends money"
+    assert w.step("print(apis.supervisor.payments())") == str(
+        [{"name": last, "amount": amount}, {"name": other, "amount": other_amount}])
+    send = f'apis.bank.{w.api["bank"]}(name="{{}}", amount={{}})\napis.supervisor.complete_task()'
+    assert _run("payback05_3", send.format(last, amount))[2] == (4, 4)
+    assert _run("payback05_3", send.format(other, other_amount))[2] == (2, 4)
+    assert _run("payback05_3", send.format(last, other_amount))[2] == (3, 4)
+    assert _run("payback05_3", send.format(last, amount), send.format(last, amount))[2] == (1, 4)  # paid twice
+    assert "no contact" in _run("payback05_3", send.format("nobody", 1))[1][0]
+
+
+def test_tiny_world_phone_of_the_last_payer():
+    w = loop.TinyWorld("phone07_1")
+    last, other = w.payments[0][0], w.payments[1][0]
+    lookup = f"apis.contacts.{w.api['contacts']}"
+    world, obs, result = _run("phone07_1", f'print({lookup}(name="{last}"))', "")
+    assert obs[0] == str(world.phones[last]) and result == (0, 3)
+    world, obs, result = _run("phone07_1", f'x = {lookup}(name="{last}")', "apis.supervisor.complete_task(answer=x)")
     assert result == (3, 3) and obs[1] == "Execution successful." and world.done  # REPL state persists
-    other = next(n for n in loop.NAMES if n != name)
-    assert _run("phone04_1", f'apis.supervisor.complete_task(answer=apis.contacts.phone(name="{other}"))')[2] == (2, 3)
+    assert _run("phone07_1", f'apis.supervisor.complete_task(answer={lookup}(name="{other}"))')[2] == (2, 3)
+    assert _run("phone07_1", f'apis.supervisor.complete_task(answer="{w.phones[last]}")')[2] == (1, 3)  # a str
 
 
-def test_tiny_world_note():
-    topic = loop.TinyWorld("note02_3").params["topic"]
-    assert _run("note02_3", f'apis.notes.create(title="{topic}")\napis.supervisor.complete_task()')[2] == (3, 3)
-    assert _run("note02_3", 'apis.notes.create(title="x")\napis.notes.create(title="y")')[2] == (0, 3)
+def test_tiny_world_no_fixed_api_guess_solves_more_than_a_few_tasks():
+    """Each world names its APIs anew, so only the docs tell which to call."""
+    tasks = loop.TinyWorld.tasks("train") + loop.TinyWorld.tasks("test")
+    for app in loop.TinyWorld.APPS.values():
+        names = collections.Counter(loop.TinyWorld(t).api[app] for t in tasks)
+        assert max(names.values()) <= 6, names.most_common(3)  # of 108 tasks
+    for t in tasks:  # and never a name that is also a person or an item of that world
+        w = loop.TinyWorld(t)
+        assert len(set(w.api.values()) | set(w.phones) | set(w.wishlist)) == 10
+
+
+def test_a_name_is_the_same_tokens_in_the_docs_and_in_code(tiny):
+    """The tiny tokenizer keeps a dot with the name after it, so the API name that follows
+    `.shop` in the docs is the one that follows it in the call: a one-token lookup."""
+    _, _, chat = tiny
+    w = loop.TinyWorld("order00_1")
+    docs = chat.tok.tokenize(w.docs("shop"))
+    code = chat.tok.tokenize(w.action(w.api["shop"], 0))
+    name = chat.tok.tokenize("." + w.api["shop"])
+    assert docs[:2 + len(name)] == code[:2 + len(name)] == ["apis", ".shop"] + name
+    assert all(len(chat.tok.tokenize(word)) > 1 for word in loop.WORDS)  # no name is one token
 
 
 def test_agent_code_failures_become_observations():
     t = time.monotonic()
-    w, obs, result = _run("pay01_1", "1/0", "def f(:\n  pass", "while True:\n    pass",
+    w, obs, result = _run("payback01_1", "1/0", "def f(:\n  pass", "while True:\n    pass",
                           "while True: print('x' * 1000)", "open('/etc/passwd')", "import os",
-                          'apis.bank.send(to="nobody", amount=1)')
+                          f'apis.bank.{loop.TinyWorld("payback01_1").api["bank"]}(name="nobody", amount=1)')
     assert time.monotonic() - t < 5
     assert "ZeroDivisionError" in obs[0]
     assert "SyntaxError" in obs[1]
@@ -453,43 +499,60 @@ def test_agent_code_failures_become_observations():
     assert result == (0, 4) and not w.done
 
 
-def tiny_solution(instruction):
-    """The code that solves the tiny-world task with this instruction."""
-    quoted = instruction.split('"')[1]
-    if instruction.startswith("Send"):
-        return f'apis.bank.send(to="{quoted}", amount={int(instruction.split()[1])})\napis.supervisor.complete_task()'
-    if instruction.startswith("What is"):
-        return f'apis.supervisor.complete_task(answer=apis.contacts.phone(name="{quoted}"))'
-    return f'apis.notes.create(title="{quoted}")\napis.supervisor.complete_task()'
+def _docs_seen(text):
+    """{app: its API name} of every app whose docs the conversation shows."""
+    return dict(re.findall(r"^apis\.(shop|bank|contacts)\.(\w+)\(", text, flags=re.M))
+
+
+def tiny_solution(text):
+    """A careful agent's next code for the tiny-world conversation `text`: the docs of the app
+    the task needs, then the task done with the API name the docs showed, then complete_task."""
+    family = {"Order": "order", "Pay": "payback", "What": "phone"}[text.split("<|im_start|>user\n")[1].split()[0]]
+    app = loop.TinyWorld.APPS[family]
+    api = _docs_seen(text).get(app)
+    last = "apis.supervisor.payments()[0]"
+    if api is None:
+        return f'print(apis.api_docs.show(app="{app}"))'
+    if family == "phone":
+        return f'apis.supervisor.complete_task(answer=apis.contacts.{api}(name={last}["name"]))'
+    work = f"apis.shop.{api}(item=apis.supervisor.wishlist()[0])" if family == "order" else f"apis.bank.{api}(**{last})"
+    return work + "\napis.supervisor.complete_task()"
 
 
 def scripted_policy(write_code):
-    """A stand-in for loop.generate: each episode's turn is the code write_code(task text) returns,
-    where the task text is the prompt's last user message."""
+    """A stand-in for loop.generate: each episode's turn is the code write_code(conversation) returns."""
     def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
-        texts = [chat.tok.decode(p).split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for p in prompts]
+        texts = [chat.tok.decode(p) for p in prompts]
         return [chat.encode(f"```python\n{write_code(text)}\n```") + [chat.eot] for text in texts]
     return generate
 
 
-# The test split's scenario phone03 (its 3 tasks ask the same question) is solved, and 2 of the 3
-# tasks of pay04 ("Send 3/1/4 dollars to erin"); every other task only calls complete_task().
-SOLVED = {'What is the phone number of "dave"?', 'Send 3 dollars to "erin".', 'Send 1 dollars to "erin".'}
+# All three tasks of the test split's scenario order00 are solved, and 2 of the 3 of phone01; the
+# policy tells them by the top wishlist item or the last payer, which it prints first.
+SOLVED = {"Order": {loop.TinyWorld(f"order00_{n}").wishlist[0] for n in (1, 2, 3)},
+          "What": {loop.TinyWorld(f"phone01_{n}").payments[0][0] for n in (1, 2)}, "Pay": set()}
 
 
 def solve_some(text):
-    return tiny_solution(text) if text in SOLVED else "apis.supervisor.complete_task()"
+    instruction = text.split("<|im_start|>user\n")[1]
+    if text.count("<|im_start|>assistant") == 1:
+        return "print(apis.supervisor.wishlist())" if "wishlist" in instruction else "print(apis.supervisor.payments())"
+    first = text.split("<|im_start|>user\n")[2].split("<|im_end|>")[0]
+    about = re.findall(r"'(\w+)'", first.replace("'name': ", ""))[0]  # the top item or the last payer
+    if about in SOLVED[instruction.split()[0]]:
+        return tiny_solution(text)
+    return "apis.supervisor.complete_task()"
 
 
 def test_tgc_and_sgc_of_a_policy_that_solves_some_tasks(tiny, tmp_path, monkeypatch):
     cfg, model, chat = tiny
     monkeypatch.setattr(loop, "generate", scripted_policy(solve_some))
     row = loop.evaluate(model, chat, cfg, "test", 0, str(tmp_path))
-    assert {t for t, ok in row["per_task"].items() if ok} == {"phone03_1", "phone03_2", "phone03_3", "pay04_1", "pay04_2"}
+    assert {t for t, ok in row["per_task"].items() if ok} == {"order00_1", "order00_2", "order00_3", "phone01_1", "phone01_2"}
     assert len(row["per_task"]) == 27
     assert row["tgc"] == pytest.approx(5 / 27) and row["sgc"] == pytest.approx(1 / 9)
-    # solved 5 x 1; a bare complete_task() earns 1/4 on the 10 other pay tasks, 1/3 on 3 phone and 9 note tasks
-    assert row["reward_mean"] == pytest.approx((5 + 10 / 4 + 3 / 3 + 9 / 3) / 27)
+    # solved 5 x 1; a bare complete_task() earns 1/3 on the 6 other order and 7 phone tasks, 1/4 on 9 payback
+    assert row["reward_mean"] == pytest.approx((5 + 6 / 3 + 7 / 3 + 9 / 4) / 27)
 
 
 class _Chatty:
@@ -540,16 +603,117 @@ def test_extract_code():
     assert loop.extract_code("no code here") == ""
 
 
-def test_warmup_demonstrations_show_no_task_solution():
-    instructions = {loop.TinyWorld(t).messages()[1]["content"] for s in ("train", "test") for t in loop.TinyWorld.tasks(s)}
-    rng, copying = random.Random(0), 0
-    for _ in range(500):
-        request, turns = loop.TinyWorld.demo(rng)
-        assert request not in instructions
-        if request != "Try the apis.":  # demos that copy the request's values use only APIs no task needs
-            copying += 1
-            assert not any(api in "".join(turns) for api in ("bank.send", "notes.create", "contacts.phone"))
-    assert 300 < copying < 500
+def _task_values():
+    words, numbers = set(), set()
+    for t in loop.TinyWorld.tasks("train") + loop.TinyWorld.tasks("test"):
+        w = loop.TinyWorld(t)
+        words |= set(w.phones) | set(w.wishlist) | set(w.api.values())
+        numbers |= {str(n) for n in w.phones.values()} | {str(amount) for _, amount in w.payments}
+    return words, numbers
+
+
+def _play_demo(rng):
+    world, codes = loop.TinyWorld.demo(rng)
+    outputs = [world.step(code) for code in codes]
+    return world, codes, outputs
+
+
+def test_no_demonstration_uses_a_name_value_or_title_of_a_task():
+    words, numbers = _task_values()
+    rng, families = random.Random(0), set()
+    for _ in range(1000):
+        world, codes, outputs = _play_demo(rng)
+        families.add(world.family)
+        text = "\n".join([world.instruction, *codes, *outputs])
+        assert not set(re.findall(r"[a-z]+", text)) & words, text
+        assert not set(re.findall(r"\d+", text)) & numbers, text
+        doc, code = loop.TinyWorld.drill(rng)
+        assert not set(re.findall(r"[a-z]+", doc + code)) & words, doc
+    assert families == {"order", "phone", "payback"}
+
+
+def _demos(monkeypatch, n=300, look=1.0, recover=0.0, wrong=0.0):
+    monkeypatch.setattr(loop.TinyWorld, "LOOK", dict.fromkeys(loop.TinyWorld.FAMILIES, look))
+    monkeypatch.setattr(loop.TinyWorld, "RECOVER", recover)
+    monkeypatch.setattr(loop.TinyWorld, "WRONG", wrong)
+    rng = random.Random(0)
+    return [_play_demo(rng) for _ in range(n)]
+
+
+def _solved(world):
+    points, checks = world.evaluate()
+    return points == checks
+
+
+def test_demonstrations_are_careless_in_the_stated_ways(monkeypatch):
+    docs = "apis.api_docs.show"
+    for world, codes, _ in _demos(monkeypatch):  # no flaw: read the docs, then solve the task
+        assert docs in codes[0] and _solved(world) and len(codes) == 3
+    for world, codes, _ in _demos(monkeypatch, wrong=1.0):  # the last entry, not the first
+        assert "[-1]" in codes[1] and not _solved(world)
+    for world, codes, outputs in _demos(monkeypatch, look=0.0):  # assumes a name, gives up
+        assert outputs[0].startswith("Execution failed. AttributeError")
+        assert codes[1:] == ["apis.supervisor.complete_task()"] and not _solved(world)
+    for world, codes, outputs in _demos(monkeypatch, look=0.0, recover=1.0):
+        assert outputs[0].startswith("Execution failed. AttributeError")
+        assert docs in codes[1] and _solved(world) and len(codes) == 4
+
+
+def test_demonstrations_look_first_as_often_as_stated():
+    rng = random.Random(0)
+    looked = collections.defaultdict(list)
+    for _ in range(3000):
+        world, codes = loop.TinyWorld.demo(rng)
+        looked[world.family].append("apis.api_docs.show" in codes[0])
+    for family, rate in loop.TinyWorld.LOOK.items():
+        assert abs(sum(looked[family]) / len(looked[family]) - rate) < 0.05, family
+
+
+def test_copied_is_the_share_of_episodes_the_model_writes_exactly(tiny):
+    _, model, chat = tiny
+    prompt = chat.prompt([{"role": "user", "content": "apis.shop.kofi(item): orders an item"}])
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(5):  # the model's own greedy continuation
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    greedy = ids[len(prompt):]
+    right = loop.Episode("a", None, [], [], [], [])
+    right.add(prompt)
+    right.add(greedy, output=True, turn=0)
+    wrong = loop.Episode("b", None, [], [], [], [])
+    wrong.add(prompt)
+    wrong.add(greedy[:-1] + [(greedy[-1] + 1) % len(chat.tok)], output=True, turn=0)
+    short = loop.Episode("c", None, [], [], [], [])  # shorter: padded in the batch
+    short.add(prompt[3:])
+    assert loop.copied(model, [right]) == 1.0 and loop.copied(model, [wrong]) == 0.0
+    assert loop.copied(model, [right, wrong, short]) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("copies, drill_steps", [(1.0, 50), (0.0, 120)])
+def test_drills_stop_once_the_model_copies(tiny, monkeypatch, copies, drill_steps):
+    cfg, model, chat = tiny
+    batches = []
+    monkeypatch.setattr(loop, "sft_step", lambda model, opt, episodes, grad_clip: batches.append(episodes))
+    monkeypatch.setattr(loop, "copied", lambda model, episodes: copies)
+    loop.warmup(model, chat, dataclasses.replace(cfg, warmup_steps=3, warmup_drills=120))
+    drills = [b for b in batches if all(e.task_id == "drill" for e in b)]
+    assert len(drills) == drill_steps and len(batches) == drill_steps + 3
+    assert all(len(b) == 8 for b in drills)
+    assert all(len(b) == 10 and sum(e.task_id == "drill" for e in b) == 2 for b in batches[drill_steps:])
+
+
+def test_a_drill_is_doc_lines_each_followed_by_the_call_that_uses_it(tiny):
+    _, _, chat = tiny
+    e = loop.drill_episode(random.Random(3), chat)
+    text = chat.tok.decode(e.ids)
+    assert text.startswith("<|im_start|>system\n" + loop.TinyWorld.SYSTEM)
+    docs = re.findall(r"<\|im_start\|>user\n(apis\.\w+\.\w+)\(", text)
+    calls = re.findall(r"```python\n(?:x = )?(apis\.\w+\.\w+)\(", text)
+    assert len(docs) == 4 and docs == calls
+    outputs = [chat.tok.decode([i for i, out, turn in zip(e.ids, e.is_output, e.turn) if out and turn == t])
+               for t in range(4)]
+    assert all(o.startswith("```python\n") and o.endswith("```<|im_end|>") for o in outputs)
+    assert sum(e.is_output) == sum(len(chat.encode(o[:-len("<|im_end|>")])) + 1 for o in outputs)
 
 
 def test_splits_are_scenarios_of_three_and_disjoint():
@@ -657,7 +821,7 @@ def _fake_runs(root):
         its = 0 if name.startswith("warmup") else 20
         (root / name / "config.json").write_text(json.dumps({"iterations": its, "ratio": ratio, "normalize_rewards": False}))
         rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 100.0 + 50 * i}
-                for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c} for i, c in enumerate(clip)]
+                for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c, "kl": 2 * c} for i, c in enumerate(clip)]
         (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with open(root / "token-1" / "metrics.jsonl", "a") as fh:
         fh.write('{"iteration": 21, "clip_fr')  # a line cut short by a kill: left out
@@ -668,10 +832,11 @@ def test_ablation_report_by_hand(tmp_path, capsys):
     _fake_runs(tmp_path)
     ablation.main(["--report", str(tmp_path)])
     # LOOP's mean TGC by iteration: 0, 30, 50 -> half of its final is 25: LOOP reaches it at 10,
-    # per-turn (0, 5, 25) at 20. Spread is min-max over seeds; wall time is the last row's seconds.
+    # per-turn (0, 5, 25) at 20. Spread is min-max over seeds; KL is twice the clip fraction in
+    # these rows; wall time is the last row's seconds.
     rows = capsys.readouterr().out.splitlines()[2:]
-    assert rows == ["| per-token (LOOP) | 2 | 50.0 (40.0-60.0) | 33.3 (33.3-33.3) | 10 | 0.200 | 200 |",
-                    "| per-turn | 2 | 25.0 (20.0-30.0) | 16.7 (0.0-33.3) | 20 | 0.500 | 200 |"]
+    assert rows == ["| per-token (LOOP) | 2 | 50.0 (40.0-60.0) | 33.3 (33.3-33.3) | 10 | 0.200 | 0.400 | 200 |",
+                    "| per-turn | 2 | 25.0 (20.0-30.0) | 16.7 (0.0-33.3) | 20 | 0.500 | 1.000 | 200 |"]
     assert (tmp_path / "ablation.md").read_text().splitlines()[2:] == rows
 
 
@@ -689,7 +854,7 @@ def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsy
 
 
 def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch):
-    quick = ["--warmup-steps", "30", "--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
+    quick = ["--warmup-steps", "30", "--warmup-drills", "10", "--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
              "--eval-max-turns", "1", "--max-turns", "2"]
     calls, main = [], loop.main
 
@@ -719,7 +884,7 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
 
 def test_tiny_smoke_run_writes_metrics(tmp_path):
     out = tmp_path / "run"
-    loop.main(["--tiny", "--iterations", "2", "--warmup-steps", "20", "--tasks-per-iteration", "4",
+    loop.main(["--tiny", "--iterations", "2", "--warmup-steps", "20", "--warmup-drills", "10", "--tasks-per-iteration", "4",
                "--eval-every", "1", "--out", str(out)])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "reward_mean" in r and "split" not in r]
@@ -736,7 +901,7 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
     # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
     _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]), torch.device("cpu"))
     built, text = loop.build_tiny_tokenizer(loop.TinyWorld.corpus()), loop.TinyWorld.demo(random.Random(0))[1][0]
-    assert loop.Chat(tok).prompt(loop.TinyWorld("pay00_1").messages()) == loop.Chat(built).prompt(loop.TinyWorld("pay00_1").messages())
+    assert loop.Chat(tok).prompt(loop.TinyWorld("order00_1").messages()) == loop.Chat(built).prompt(loop.TinyWorld("order00_1").messages())
     assert tok(text)["input_ids"] == built(text)["input_ids"]
     loop.main(["--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
                "--out", str(tmp_path / "ev")])
@@ -769,14 +934,14 @@ def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
     tok.chat_template = QWEN25_TEMPLATE
     chat = loop.Chat(tok)
     assert tok.decode(chat.pre) == "\n<|im_start|>user\n" and tok.decode(chat.post) == "<|im_end|>\n<|im_start|>assistant\n"
-    envs = [loop.TinyWorld(x, cfg.code_timeout) for x in ["pay02_1", "note04_2"]]
+    envs = [loop.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
     if not with_system:
         for env in envs:
             env.messages = (lambda m: lambda: m[1:])(env.messages())
     torch.manual_seed(3)
-    for e in loop.rollout(model, chat, envs, ["pay02_1", "note04_2"], cfg, 1.0, 3):
+    for e in loop.rollout(model, chat, envs, ["payback02_1", "order04_2"], cfg, 1.0, 3):
         rendered = tok.apply_chat_template(e.transcript[:-1], tokenize=False)
-        assert rendered.startswith("<|im_start|>system\n" + ("You act" if with_system else "You are Qwen"))
+        assert rendered.startswith("<|im_start|>system\n" + ("Apps:" if with_system else "You are Qwen"))
         closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
         assert tok.decode(e.ids) + closing == rendered
 
@@ -789,6 +954,8 @@ AW_SUPERVISOR = dict(first_name="Joyce", last_name="Weaver", email="joyce-weav@g
 AW_PASSWORDS = {"simple_note": "qwerty-note-17", "todoist": "todo&pass-42"}
 AW_CHORES = ["Mow the lawn", "Clean the garage", "Water the plants"]
 AW_EVAL_NOTE = '''
+import collections
+import dataclasses
 import json
 def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
     added, updated, removed = models.changed_records("simple_note.Note")
@@ -804,6 +971,8 @@ def evaluate(test, public_data, private_data, main_user, models, ground_truth_an
         test.answer(json.loads(models.end.supervisor.Task.first().answer), ground_truth_answer)
 '''
 AW_EVAL_PROJECT = '''
+import collections
+import dataclasses
 import json
 def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
     added, _, _ = models.changed_records("todoist.Project")
@@ -1282,7 +1451,7 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
     # The evaluation each rank returns is the whole split's, gathered: the hand-computed TGC/SGC.
     for rank in ranks:
         assert {t for t, ok in rank["eval"]["per_task"].items() if ok} == {
-            "phone03_1", "phone03_2", "phone03_3", "pay04_1", "pay04_2"}
+            "order00_1", "order00_2", "order00_3", "phone01_1", "phone01_2"}
         assert len(rank["eval"]["per_task"]) == 27
         assert rank["eval"]["tgc"] == pytest.approx(5 / 27) and rank["eval"]["sgc"] == pytest.approx(1 / 9)
 
@@ -1295,7 +1464,9 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient():
     results = []
     for micro in (1, 3, 8, 16):  # 16 > minibatch: one pass then holds the whole minibatch
         m = copy.deepcopy(model)
-        opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr)
+        # SGD: the step is the gradient itself. Adam's first step is about lr * sign(g), so a
+        # near-zero gradient summed in another order could flip it by 2 * lr.
+        opt = torch.optim.SGD(m.parameters(), lr=cfg.lr)
         stats = loop.update(m, opt, eps, adv, loop.dataclasses.replace(cfg, micro_batch_size=micro))
         assert stats["steps"] == 1
         results.append((stats["loss"], stats["grad_norm"], next(m.parameters()).detach().clone()))
@@ -1413,3 +1584,21 @@ def test_killed_run_resumes_from_its_last_checkpoint(warm_dir, tmp_path):
 
 if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
     _fsdp_worker(sys.argv[2])
+
+
+def test_behaviour_counts_looking_first_and_recovering():
+    env = loop.TinyWorld("order00_1")
+
+    def episode(codes, outputs, success):
+        transcript = env.messages()
+        for code, output in zip(codes, outputs):
+            transcript += [{"role": "assistant", "content": f"```python\n{code}\n```"}, {"role": "user", "content": output}]
+        return loop.Episode("x", env, [], [], [], transcript, success=success)
+
+    looked = episode(['print(apis.api_docs.show(app="shop"))', "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"], True)
+    recovered = episode(["apis.shop.order(item=1)", 'print(apis.api_docs.show(app="shop"))'],
+                        ["Execution failed. AttributeError: x", "shop.buy(item)"], True)
+    gave_up = episode(["apis.shop.order(item=1)", "apis.supervisor.complete_task()"],
+                      ["Execution failed. AttributeError: x", "Execution successful."], False)
+    assert loop.behaviour([looked, recovered, gave_up]) == (1, 2, 1)
+    assert loop.behaviour([episode(["print(1)"], ["1"], False)]) == (0, 0, 0)

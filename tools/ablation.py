@@ -81,7 +81,8 @@ def pct(values):
 
 def report(root):
     """Held-out TGC/SGC at the last iteration, the first evaluation at which the seed-mean TGC
-    reaches half of LOOP's final one, the update's clip fraction and the wall time per run."""
+    reaches half of LOOP's final one, the update's clip fraction and KL estimate (means over
+    iterations) and the wall time per run."""
     if not os.path.isdir(root):
         loop.die(f"--report: no directory {root}")
     runs = finished_runs(root)
@@ -96,15 +97,16 @@ def report(root):
     loop_curve = curves.get(("token", False))
     half = 0.5 * loop.mean(loop_curve[max(loop_curve)]) if loop_curve else 0.0
     lines = ["| variant | seeds | final TGC % | final SGC % | iterations to half LOOP's TGC | "
-             "clip fraction | wall s |", "|---|---|---|---|---|---|---|"]
+             "clip fraction | KL | wall s |", "|---|---|---|---|---|---|---|---|"]
     for key in order:
         seeds = runs[key]
         finals = [curve[max(curve)] for curve, _ in seeds]
         reached = [i for i, tgc in curves[key].items() if half > 0 and loop.mean(tgc) >= half]
         clip = loop.mean([loop.mean([r["clip_fraction"] for r in rows]) for _, rows in seeds])
+        kl = loop.mean([loop.mean([r["kl"] for r in rows]) for _, rows in seeds])
         lines.append(f"| {label(key)} | {len(seeds)} | {pct([r['tgc'] for r in finals])} | "
                      f"{pct([r['sgc'] for r in finals])} | {reached[0] if reached else '-'} | "
-                     f"{clip:.3f} | {loop.mean([r['seconds'] for r in finals]):.0f} |")
+                     f"{clip:.3f} | {kl:.3f} | {loop.mean([r['seconds'] for r in finals]):.0f} |")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(root, "ablation.md"), "w") as fh:
