@@ -3,7 +3,7 @@
     python tools/ablation.py --seeds 0 1 2 --iterations 100 --out runs/ablation
     python tools/ablation.py --report runs/ablation      # only redraw the table and the figure
 
-Per seed, one format warm-up (`loop.py --tiny --iterations 0`), then every variant trains from
+Per seed, one warm-up (`loop.py --tiny --iterations 0`), then every variant trains from
 that warmed-up model with the same budget. Runs that finished are skipped and interrupted ones
 resumed, so a sweep that was stopped continues where it was. Flags this script does not know go
 to every loop.py run (for example `--tasks-per-iteration 2` for a quick try). The table goes to
