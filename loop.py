@@ -380,6 +380,10 @@ class Chat:
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
 
+    def observation(self, text):
+        """An environment reply between the template's separators, up to the next generation."""
+        return self.pre + self.encode(text, literal=True) + self.post
+
     def truncate(self, text, max_tokens):
         # Tokenized a piece at a time and only as far as the cut: BPE on a run without spaces takes
         # quadratic time (80k characters: 31 s with the tiny tokenizer), and code can print megabytes.
@@ -968,7 +972,7 @@ def observe(e, output, last_turn, chat, cfg):
     e.done = e.env.done or last_turn or len(e.ids) >= cfg.max_context
     if not e.done:
         closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
-        context = closing + chat.pre + chat.encode(observation, literal=True) + chat.post
+        context = closing + chat.observation(observation)
         if len(e.ids) + len(context) < cfg.max_context:
             e.add(context)
         else:  # no room for the observation and a next turn: no id ever lies beyond the cap
@@ -1271,7 +1275,7 @@ def drill_episode(rng, chat, exchanges=4):
             e.add(chat.prompt([{"role": "system", "content": TinyWorld.SYSTEM},
                                {"role": "user", "content": doc}]))
         else:
-            e.add(chat.pre + chat.encode(doc, literal=True) + chat.post)
+            e.add(chat.observation(doc))
         e.add(chat.encode(fence(code)) + [chat.eot], output=True, turn=turn)
     return e
 
