@@ -592,17 +592,23 @@ class TinyWorld:
     # The warm-up's agent, a stand-in for an instruction-tuned model: it knows the task families
     # and the code they take, but it is careless in ways RL can correct. Each demonstration:
     LOOK = {"order": 0.8, "payback": 0.2, "phone": 0.2}  # reads the docs before acting, else
-    # calls the API by a name it assumes, as a model does with an app it believes it knows
-    RECOVER = 0.4  # after an assumed name fails, reads the docs and goes on (else gives up)
+    # calls the API by the name it assumes, as a model does with an app it believes it knows
+    ASSUMED = {"shop": "buy", "bank": "send", "contacts": "phone"}  # no world's API names
+    RECOVER = 0.25  # after an assumed name fails, reads the docs and goes on (else gives up)
     WRONG = 0.3  # takes the last entry of a list for the first
 
     @staticmethod
-    def demo(rng):
-        """A world of a random family whose names and values no task uses, and the code of the
-        careless agent for it, one string per turn."""
+    def unseen(rng):
+        """A world of a random family whose names and values no task uses."""
         world = TinyWorld(f"{rng.choice(list(TinyWorld.FAMILIES))}00_1")
         world.task_id = "demo"
         world.populate(rng, DEMO_VALUES)
+        return world
+
+    @staticmethod
+    def demo(rng):
+        """An unseen world and the careless agent's code for it, one string per turn."""
+        world = TinyWorld.unseen(rng)
         return world, world.careless_agent(rng)
 
     def careless_agent(self, rng):
@@ -611,8 +617,7 @@ class TinyWorld:
         index = -1 if rng.random() < self.WRONG else 0
         codes = []
         if rng.random() >= self.LOOK[self.family]:
-            assumed = rng.choice([w for w in DEMO_VALUES["words"] if w != self.api[app]])
-            codes.append(self.action(assumed, index))  # an AttributeError, nothing changes
+            codes.append(self.action(self.ASSUMED[app], index))  # an AttributeError
             if rng.random() >= self.RECOVER:
                 return codes + ["apis.supervisor.complete_task()"]
         codes += [docs, self.action(self.api[app], index)]
@@ -625,7 +630,7 @@ class TinyWorld:
         """The warm-up's short exercise in reading docs: an API's doc line, then the family's
         action calling that API. A small model learns to copy a name it has never seen only from
         many such copies; in the demonstrations a name is 2 tokens of about 150."""
-        world, _ = TinyWorld.demo(rng)
+        world = TinyWorld.unseen(rng)
         app = world.APPS[world.family]
         return world.docs(app), world.action(world.api[app], 0)
 
@@ -1247,10 +1252,15 @@ def warmup(model, chat, cfg, drills=8):
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     model.train()
-    for step in tqdm(range(cfg.warmup_drills), desc="warm-up: drills", disable=None):
+    drilled = 0
+    for drilled in tqdm(range(1, cfg.warmup_drills + 1), desc="warm-up: drills", disable=None):
+        # the full rate from Adam's first step stalled the copy for 2,000 steps on one seed
+        opt.param_groups[0]["lr"] = cfg.warmup_lr * min(1.0, drilled / 100)
         sft_step(model, opt, [drill_episode(rng, chat) for _ in range(drills)], grad_clip=None)
-        if step % 50 == 49 and copied(model, [drill_episode(rng, chat) for _ in range(64)]) >= 0.9:
-            break
+        if drilled % 50 == 0:
+            if copied(model, [drill_episode(rng, chat) for _ in range(64)]) >= 0.9:
+                break
+    print(f"warm-up: {drilled} drill steps", flush=True)
     for step in tqdm(range(cfg.warmup_steps), desc="warm-up: demonstrations", disable=None):
         opt.param_groups[0]["lr"] = cfg.warmup_lr * (1 - step / cfg.warmup_steps)
         batch = [drill_episode(rng, chat) for _ in range(2)]

@@ -652,7 +652,8 @@ def test_demonstrations_are_careless_in_the_stated_ways(monkeypatch):
     for world, codes, _ in _demos(monkeypatch, wrong=1.0):  # the last entry, not the first
         assert "[-1]" in codes[1] and not _solved(world)
     for world, codes, outputs in _demos(monkeypatch, look=0.0):  # assumes a name, gives up
-        assert outputs[0].startswith("Execution failed. AttributeError")
+        assumed = loop.TinyWorld.ASSUMED[loop.TinyWorld.APPS[world.family]]
+        assert f"{assumed}(" in codes[0] and f"no API named '{assumed}'" in outputs[0]
         assert codes[1:] == ["apis.supervisor.complete_task()"] and not _solved(world)
     for world, codes, outputs in _demos(monkeypatch, look=0.0, recover=1.0):
         assert outputs[0].startswith("Execution failed. AttributeError")
@@ -692,12 +693,21 @@ def test_copied_is_the_share_of_episodes_the_model_writes_exactly(tiny):
 @pytest.mark.parametrize("copies, drill_steps", [(1.0, 50), (0.0, 120)])
 def test_drills_stop_once_the_model_copies(tiny, monkeypatch, copies, drill_steps):
     cfg, model, chat = tiny
-    batches = []
-    monkeypatch.setattr(loop, "sft_step", lambda model, opt, episodes, grad_clip: batches.append(episodes))
+    batches, rates = [], []
+
+    def sft_step(model, opt, episodes, grad_clip):
+        batches.append(episodes)
+        rates.append(opt.param_groups[0]["lr"])
+
+    monkeypatch.setattr(loop, "sft_step", sft_step)
     monkeypatch.setattr(loop, "copied", lambda model, episodes: copies)
     loop.warmup(model, chat, dataclasses.replace(cfg, warmup_steps=3, warmup_drills=120))
     drills = [b for b in batches if all(e.task_id == "drill" for e in b)]
     assert len(drills) == drill_steps and len(batches) == drill_steps + 3
+    # the drills' rate rises over 100 steps, the demonstrations' falls from the top to zero
+    ramp = [cfg.warmup_lr * min(1, step / 100) for step in range(1, drill_steps + 1)]
+    decay = [cfg.warmup_lr * (1 - step / 3) for step in range(3)]
+    assert rates == pytest.approx(ramp + decay)
     assert all(len(b) == 8 for b in drills)
     assert all(len(b) == 10 and sum(e.task_id == "drill" for e in b) == 2 for b in batches[drill_steps:])
 
