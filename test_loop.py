@@ -141,7 +141,7 @@ def test_environment_tokens_cannot_change_the_loss(kind):
 # ---------------------------------------------------------------- tiny model fixtures
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = loop.parse_config(["--tiny", "--warmup-steps", "80", "--warmup-drills", "50", "--seed", "0",
+    cfg = loop.parse_config(["--tiny", "--warmup-steps", "80", "--warmup-drills", "100", "--seed", "0",
                              "--max-new-tokens", "24"])
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
     chat = loop.Chat(tok)
@@ -231,13 +231,13 @@ def test_recomputed_logprobs_equal_sampling_logprobs(tiny, episodes, temperature
 
 @pytest.fixture(scope="module")
 def biased_model(tiny, tmp_path_factory):
-    """The tiny model saved with a generation_config.json like a hub model's (top-k 20, top-p 0.8,
-    repetition penalty 1.3) and loaded back the way users load a model."""
-    import copy
+    """A random tiny model (whose flat softmax samples well outside its top 20) saved with a
+    generation_config.json like a hub model's (top-k 20, top-p 0.8, repetition penalty 1.3) and
+    loaded back the way users load a model."""
     from transformers import GenerationConfig
-    cfg, model, chat = tiny
+    cfg, _, chat = tiny
     path = tmp_path_factory.mktemp("biased")
-    saved = copy.deepcopy(model)
+    saved, _ = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
     saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3)
     saved.save_pretrained(path)
     chat.tok.save_pretrained(path)
@@ -1548,7 +1548,7 @@ def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(warm_dir,
 
 def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(warm_dir, tmp_path):
     run = tmp_path / "run"
-    r = _torchrun("loop.py", *quick(warm_dir), "--fsdp", "--iterations", "1", "--out", str(run))
+    r = _torchrun("loop.py", *quick(warm_dir), "--tasks-per-iteration", "4", "--fsdp", "--iterations", "1", "--out", str(run))
     assert r.returncode == 0, r.stderr[-3000:]
     r = _torchrun("loop.py", "--resume", str(run), "--iterations", "2")  # its config.json has --fsdp
     assert r.returncode == 0, r.stderr[-3000:]
