@@ -19,6 +19,7 @@ import loop
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "tools"))
 import ablation  # noqa: E402
+import behaviour  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -1612,3 +1613,13 @@ def test_behaviour_counts_looking_first_and_recovering():
                       ["Execution failed. AttributeError: x", "Execution successful."], False)
     assert loop.behaviour([looked, recovered, gave_up]) == (1, 2, 1)
     assert loop.behaviour([episode(["print(1)"], ["1"], False)]) == (0, 0, 0)
+
+
+def test_behaviour_figure_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        behaviour.main([str(tmp_path / "nowhere")])
+    assert stop.value.code == 2 and "give a run directory" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "tgc": 0.5}) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        behaviour.main([str(tmp_path)])
+    assert stop.value.code == 2 and "no training rows" in capsys.readouterr().err

@@ -30,11 +30,14 @@ def main(argv):
     parser.add_argument("run", help="a run directory with metrics.jsonl")
     parser.add_argument("--out", help="the PNG to write (default RUN/behaviour.png)")
     args = parser.parse_args(argv)
-    rows = loop.read_metrics(os.path.join(args.run, "metrics.jsonl"))
+    metrics = os.path.join(args.run, "metrics.jsonl")
+    if not os.path.exists(metrics):
+        loop.die(f"no {metrics}: give a run directory (--out of a loop.py run)")
+    rows = loop.read_metrics(metrics)
     train = [r for r in rows if "looked_first" in r]
     evals = [r for r in rows if "tgc" in r]
     if not train:
-        sys.exit(f"{args.run}/metrics.jsonl has no training rows with behaviour metrics")
+        loop.die(f"{metrics} has no training rows with behaviour metrics")
     try:
         import matplotlib
         matplotlib.use("Agg")
