@@ -1,6 +1,6 @@
 """The paper's Table 1 ablation in miniature: five variants of the objective on the tiny world.
 
-    python tools/ablation.py --seeds 0 1 2 --iterations 100 --out runs/ablation
+    python tools/ablation.py --seeds 0 1 2 --iterations 20 --eval-every 5 --out runs/ablation
     python tools/ablation.py --report runs/ablation      # only redraw the table and the figure
 
 Per seed, one warm-up (`loop.py --tiny --iterations 0`), then every variant trains from
