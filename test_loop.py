@@ -317,6 +317,55 @@ def test_the_carried_kv_cache_gives_the_ids_that_prefilling_every_turn_gives(tin
     assert fed[0][0] <= tokens < fed[1][0] / 1.5  # its last sampled token is never fed
 
 
+def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, monkeypatch):
+    """Real tiny-world episodes, greedy, stop tokens on: prompts and observations differ in length
+    (left padding in every feed) and turns stop early (cached positions after a stop are masked),
+    in waves of 4 from which finished episodes leave. The ids equal the re-prefilled ones, and
+    every sampled token's distribution is the one the whole finished episode gives it."""
+    import copy
+    import dataclasses
+    cfg, model, chat = tiny
+    cfg = dataclasses.replace(cfg, batch_episodes=4, max_new_tokens=40)
+    tasks = ["order00_1", "payback01_2", "phone02_3", "payback00_1", "phone01_1", "order02_2"]
+    played, calls = [], []
+    for reference in ({}, {"carry_cache": False}):
+        m = copy.deepcopy(model)
+        original, prompts = m.generate, []
+
+        def recording(model, chat, rows, *args):
+            prompts.append([(id(p), len(p)) for p in rows])
+            return generate(model, chat, rows, *args)
+
+        def with_scores(**kwargs):
+            kwargs["generation_config"].update(output_scores=True, return_dict_in_generate=True)
+            out = original(**kwargs)
+            calls.append((prompts[-1], torch.log_softmax(torch.stack(out.scores, 1), -1)))
+            return out.sequences
+        generate = loop.generate
+        monkeypatch.setattr(loop, "generate", recording)
+        monkeypatch.setattr(m, "generate", with_scores)
+        envs = [loop.TinyWorld(t, cfg.code_timeout) for t in tasks]
+        played.append(loop.rollout(m, chat, envs, tasks, cfg, 0.0, 3, **reference))
+        monkeypatch.undo()
+    carried, reprefilled = played
+    assert [e.ids for e in carried] == [e.ids for e in reprefilled]
+    assert any(max(e.turn) > 0 for e in carried)  # an episode that went on after a turn
+    ids, attn, _, _ = loop.pad_batch(carried, "cpu")
+    with torch.no_grad():
+        scored = loop.token_logprobs(model, ids, attn, 1.0)
+    row_of = {id(e.ids): i for i, e in enumerate(carried)}
+    unequal = stopped_early = 0
+    for rows, logp in calls[:len(calls) // 2]:  # the carried rollout's calls
+        unequal += len({n for _, n in rows}) > 1
+        for r, (key, start) in enumerate(rows):
+            i = row_of[key]
+            n = carried[i].turn.count(carried[i].turn[start])  # this turn's sampled tokens
+            sampled = logp[r, :n].gather(-1, ids[i, start:start + n, None]).squeeze(-1)
+            assert torch.allclose(sampled, scored[i, start - 1:start - 1 + n], atol=1e-4)
+            stopped_early += n < logp.shape[1]
+    assert unequal and stopped_early  # padding, and cached positions after a stop, were masked
+
+
 def test_sampling_with_the_carried_cache_equals_scoring_the_whole_episode(tiny, monkeypatch):
     """Three turns at T = 1 through the cache: the distribution each token was sampled from (the
     processed scores) is the one token_logprobs gives it on the finished episode, without a cache."""
@@ -558,11 +607,12 @@ def test_tgc_and_sgc_of_a_policy_that_solves_some_tasks(tiny, tmp_path, monkeypa
 
 class _Chatty:
     """An environment whose every observation is long, so that an episode fills its context."""
-    def __init__(self):
+    def __init__(self, instruction="go"):
         self.done = False
+        self.instruction = instruction
 
     def messages(self):
-        return [{"role": "user", "content": "go"}]
+        return [{"role": "user", "content": self.instruction}]
 
     def step(self, code):
         return " ".join(f"line{i}" for i in range(40))
@@ -587,6 +637,28 @@ def test_an_episode_ends_at_the_context_cap_with_no_id_beyond_it(tiny, cap):
     assert len(e.ids) == len(e.is_output) == len(e.turn)
     assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output))
     assert max(e.turn) < 9  # the cap, not the turn limit, ended it
+
+
+def test_a_turn_that_reaches_the_context_cap_is_cut_there(tiny):
+    """Two episodes of unequal prompt length in one batch: the batch may sample up to the shorter
+    one's room, and each episode keeps only what fits, ending exactly at the cap."""
+    import dataclasses
+    cfg, model, chat = tiny
+    cap = 30
+    small = dataclasses.replace(cfg, max_context=cap, max_new_tokens=30)
+    chat_stop = chat.stop_ids
+    chat.stop_ids = [len(chat.tok)]  # no turn stops early: each runs into the cap
+    try:
+        envs = [_Chatty(), _Chatty("go " * 4)]
+        eps = loop.rollout(model, chat, envs, ["x", "y"], small, 1.0, 10)
+    finally:
+        chat.stop_ids = chat_stop
+    prompts = [len(chat.prompt(env.messages())) for env in envs]
+    assert prompts[0] + 30 > cap and prompts[0] < prompts[1] < cap
+    for e, prompt in zip(eps, prompts):
+        assert e.done and len(e.ids) == cap
+        assert len(e.is_output) == len(e.turn) == cap
+        assert e.is_output == [False] * prompt + [True] * (cap - prompt)  # one turn, cut at the cap
 
 
 def test_observations_are_truncated_at_a_space_with_a_note(tiny):
