@@ -1627,7 +1627,8 @@ def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(warm_dir, tmp
     assert r.returncode == 0, r.stderr[-3000:]
     loop.main(["--resume", str(run), "--no-fsdp", "--iterations", "3"])
     assert _train_rows(run) == [1, 2, 3]
-    assert all(steps > 0 and norm > 0 for steps, norm in _train_rows(run, ("steps", "grad_norm")))
+    rows = _train_rows(run, ("steps", "loss", "grad_norm"))
+    assert all(steps > 0 and loss != 0 and norm > 0 for steps, loss, norm in rows)
     import torch.distributed.checkpoint as dcp
     state = {"iteration": 0}
     dcp.load(state, checkpoint_id=str(run / "checkpoint"))
