@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -1223,7 +1224,7 @@ def test_appworld_scripted_policy_right_and_wrong(appworld_root):
         assert env.evaluate() == ((4, 4) if correct else (2, 4))
 
 
-def test_appworld_rollouts_are_isolated_and_a_dead_worker_fails_its_episode(appworld_root):
+def test_appworld_rollouts_are_isolated_and_a_dead_or_hung_worker_fails_its_episode(appworld_root):
     envs = [loop.AppWorldEnv("5a0f1c2_1", 60.0, f"pytest-iso{k}") for k in range(3)]
     for env in envs:
         env.messages()
@@ -1233,8 +1234,17 @@ def test_appworld_rollouts_are_isolated_and_a_dead_worker_fails_its_episode(appw
     assert [env.step(count).strip() for env in envs] == ["2", "1", "1"]  # K=3 worlds of one task, separate state
     envs[1].worker.kill()
     assert "failed" in envs[1].step("print(1)") and envs[1].done
+    os.kill(envs[2].worker.pid, signal.SIGSTOP)  # hung: alive, never answers
+    try:
+        started = time.monotonic()
+        assert envs[2].call(("execute", "print(1)"), wait=1.0) is None  # step waits timeout + 60 s
+        assert time.monotonic() - started < 5 and envs[2].failed and envs[2].done
+        envs[2].worker.join(5)
+        assert not envs[2].worker.is_alive()  # killed, not left behind
+    finally:
+        envs[2].worker.kill()  # a stopped child would hang the exit
+    assert "failed" in envs[2].step("print(1)") and envs[2].evaluate() == (0, 1)
     assert envs[1].evaluate() == (0, 1) and envs[0].evaluate() == (4, 4)
-    envs[2].evaluate()
 
 
 def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root):
