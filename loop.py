@@ -1346,7 +1346,8 @@ def behaviour(episodes):
     looked = erred = recovered = 0
     for e in episodes:
         codes = [extract_code(m["content"]) for m in e.transcript if m["role"] == "assistant"]
-        outputs = [m["content"] for m in e.transcript[2:] if m["role"] == "user"]
+        replies = zip(e.transcript, e.transcript[1:])  # the observation after each turn
+        outputs = [m["content"] for turn, m in replies if turn["role"] == "assistant"]
         looked += bool(codes) and e.env.LOOKUP in codes[0]
         if any(o.startswith("Execution failed") for o in outputs):
             erred += 1
