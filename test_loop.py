@@ -324,11 +324,11 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
     in waves of 4 from which finished episodes leave. The ids equal the re-prefilled ones, and
     every sampled token's distribution is the one the whole finished episode gives it."""
     import copy
-    import dataclasses
     cfg, model, chat = tiny
     cfg = dataclasses.replace(cfg, batch_episodes=4, max_new_tokens=40)
     tasks = ["order00_1", "payback01_2", "phone02_3", "payback00_1", "phone01_1", "order02_2"]
     played, calls = [], []
+    generate = loop.generate
     for reference in ({}, {"carry_cache": False}):
         m = copy.deepcopy(model)
         original, prompts = m.generate, []
@@ -342,7 +342,6 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
             out = original(**kwargs)
             calls.append((prompts[-1], torch.log_softmax(torch.stack(out.scores, 1), -1)))
             return out.sequences
-        generate = loop.generate
         monkeypatch.setattr(loop, "generate", recording)
         monkeypatch.setattr(m, "generate", with_scores)
         envs = [loop.TinyWorld(t, cfg.code_timeout) for t in tasks]
@@ -574,7 +573,7 @@ def scripted_policy(write_code):
     """A stand-in for loop.generate: each episode's turn is the code write_code(conversation) returns."""
     def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
         texts = [chat.tok.decode(p) for p in prompts]
-        return [chat.encode(f"```python\n{write_code(text)}\n```") + [chat.eot] for text in texts]
+        return [chat.encode(loop.fence(write_code(text))) + [chat.eot] for text in texts]
     return generate
 
 
@@ -643,7 +642,6 @@ def test_an_episode_ends_at_the_context_cap_with_no_id_beyond_it(tiny, cap):
 def test_a_turn_that_reaches_the_context_cap_is_cut_there(tiny):
     """Two episodes of unequal prompt length in one batch: the batch may sample up to the shorter
     one's room, and each episode keeps only what fits, ending exactly at the cap."""
-    import dataclasses
     cfg, model, chat = tiny
     cap = 30
     small = dataclasses.replace(cfg, max_context=cap, max_new_tokens=30)
@@ -1038,8 +1036,6 @@ AW_SUPERVISOR = dict(first_name="Joyce", last_name="Weaver", email="joyce-weav@g
 AW_PASSWORDS = {"simple_note": "qwerty-note-17", "todoist": "todo&pass-42"}
 AW_CHORES = ["Mow the lawn", "Clean the garage", "Water the plants"]
 AW_EVAL_NOTE = '''
-import collections
-import dataclasses
 import json
 def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
     added, updated, removed = models.changed_records("simple_note.Note")
@@ -1055,8 +1051,6 @@ def evaluate(test, public_data, private_data, main_user, models, ground_truth_an
         test.answer(json.loads(models.end.supervisor.Task.first().answer), ground_truth_answer)
 '''
 AW_EVAL_PROJECT = '''
-import collections
-import dataclasses
 import json
 def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
     added, _, _ = models.changed_records("todoist.Project")
@@ -1676,17 +1670,13 @@ def test_killed_run_resumes_from_its_last_checkpoint(warm_dir, tmp_path):
     assert all(steps > 0 and loss != 0 and norm > 0 for _, _, _, _, steps, loss, norm in _train_rows(run, keys))
 
 
-if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
-    _fsdp_worker(sys.argv[2])
-
-
 def test_behaviour_counts_looking_first_and_recovering():
     env = loop.TinyWorld("order00_1")
 
     def episode(codes, outputs, success):
         transcript = env.messages()
         for code, output in zip(codes, outputs):
-            transcript += [{"role": "assistant", "content": f"```python\n{code}\n```"}, {"role": "user", "content": output}]
+            transcript += [{"role": "assistant", "content": loop.fence(code)}, {"role": "user", "content": output}]
         return loop.Episode("x", env, [], [], [], transcript, success=success)
 
     looked = episode(['print(apis.api_docs.show(app="shop"))', "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"], True)
@@ -1706,3 +1696,7 @@ def test_behaviour_figure_of_a_missing_or_empty_run_says_what_to_do(tmp_path, ca
     with pytest.raises(SystemExit) as stop:
         behaviour.main([str(tmp_path)])
     assert stop.value.code == 2 and "no training rows" in capsys.readouterr().err
+
+
+if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
+    _fsdp_worker(sys.argv[2])
