@@ -9,7 +9,8 @@ no reference model, one copy of the LLM.
     python loop.py --tiny                      # a tiny model in a tiny world, minutes on a CPU
     python loop.py --eval --split test --tiny  # TGC/SGC only
 
-tools/bench.py measures this file's memory and speed; tools/ablation.py runs the paper's Table 1.
+--tiny starts from the tiny instruct model in assets/tiny-model, which tools/make_tiny_model.py
+makes; tools/bench.py measures this file's memory and speed; tools/ablation.py runs Table 1.
 """
 import argparse
 import ast
@@ -31,7 +32,7 @@ import time
 import types
 import typing
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,15 +47,13 @@ class Config:
     env: str = "appworld"
     """Environment: appworld (the real AppWorld) or tiny (an offline miniature of it)."""
     model: str = "Qwen/Qwen2.5-32B-Instruct"
-    """Hugging Face model id or local path; "tiny" builds a random model from `tiny_model`."""
-    tiny_model: dict = field(default_factory=dict)
-    """Qwen2Config fields of the tiny model (used when model == "tiny")."""
+    """Hugging Face model id or local directory (one a config file names: beside the file first)."""
     seed: int = 0
     """Seed for Python, torch and task sampling."""
     out: str = ""
     """Run directory for metrics.jsonl, transcripts and weights (default runs/<time>)."""
     iterations: int = 200
-    """Training iterations (reference code: 200); 0 = warm up and evaluate only."""
+    """Training iterations (reference code: 200); 0 = evaluate and save the model only."""
     tasks_per_iteration: int = 40
     """N: tasks sampled per iteration (paper: 40)."""
     rollouts_per_task: int = 6
@@ -105,12 +104,6 @@ class Config:
     """Evaluate every this many iterations (and before the first and after the last)."""
     eval: bool = False
     """Only evaluate `split`, no training."""
-    warmup_steps: int = 0
-    """Supervised steps on a careless agent's demonstrations before RL (tiny model only)."""
-    warmup_drills: int = 2000
-    """Most steps of docs-reading drills before them; they stop once the model copies names."""
-    warmup_lr: float = 1e-3
-    """Peak learning rate of the warm-up (decays linearly to zero)."""
     batch_episodes: int = 256
     """Episodes generated together in one batch (per rank); bounds the KV cache."""
     logprob_chunk: int = 512
@@ -129,8 +122,8 @@ class Config:
     """Run directory to continue from its last complete checkpoint (its config.json is the base)."""
 
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.json")
-AT_LEAST = {"iterations": 0, "warmup_steps": 0, "warmup_drills": 0, "rollouts_per_task": 2,
-            "weight_decay": 0, "min_abs_advantage": 0, "eval_temperature": 0}
+AT_LEAST = {"iterations": 0, "rollouts_per_task": 2, "weight_decay": 0, "min_abs_advantage": 0,
+            "eval_temperature": 0}
 """The lowest value of the numeric settings that may reach it; all others but seed must be > 0."""
 RATIOS = ("token", "turn", "trajectory", "none")
 
@@ -153,8 +146,7 @@ def parse_config(argv):
         if hints[name] is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=doc.value.value)
         else:
-            kind = json.loads if hints[name] is dict else hints[name]
-            parser.add_argument(flag, type=kind, help=doc.value.value)
+            parser.add_argument(flag, type=hints[name], help=doc.value.value)
     args = parser.parse_args(argv)
     values = {}
     if args.resume and (args.tiny or args.config):
@@ -188,6 +180,10 @@ def read_config_file(path, hints):
         allowed = (int, float) if kind is float else kind
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, allowed):
             die(f"{key!r} in {path} must be {kind.__name__}, got {value!r}")
+    # a model folder beside the file (tiny_config.json's assets/tiny-model), from any directory
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), values.get("model", ""))
+    if "model" in values and os.path.isdir(beside):
+        values["model"] = os.path.normpath(beside)
     return values
 
 def check_config(cfg):
@@ -210,34 +206,7 @@ def check_config(cfg):
 
 # ----------------------------------------------------------------------------------------------
 # 2. Model and tokenizer
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-def build_tiny_tokenizer(corpus, vocab_size=1024):
-    """Byte-level BPE trained in code on the world's own text: exact for any text, no download."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    tk = Tokenizer(models.BPE())
-    # Words, numbers, quotes and runs of other characters stand alone: a merge never joins a name
-    # to what is around it, so it tokenizes the same in an instruction, in code and in an output.
-    # A dot stays with the word after it: the name after `.shop` in the docs is the name after
-    # `.shop` in a call, and a model this small finds it by matching that one token.
-    words = Regex(r'\.?[A-Za-z]+|\d+|"|[^A-Za-z\d"]+')
-    words_apart = pre_tokenizers.Split(words, behavior="isolated")
-    tk.pre_tokenizer = pre_tokenizers.Sequence(
-        [words_apart, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tk.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|pad|>",
-                                  padding_side="left", clean_up_tokenization_spaces=False)
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
 
 def load_pretrained(cfg):
     """A Hugging Face model id or a local directory (a finished run's model/ too)."""
@@ -265,15 +234,9 @@ def load_pretrained(cfg):
     return model, tok
 
 def load_model_and_tokenizer(cfg, device):
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
-    torch.manual_seed(cfg.seed)  # every rank and process initialises the same weights (tiny, LoRA)
-    if cfg.model == "tiny":  # random weights of `tiny_model`'s shape
-        tok = build_tiny_tokenizer(TinyWorld.corpus())
-        config = Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id, bos_token_id=None, **cfg.tiny_model)
-        model = AutoModelForCausalLM.from_config(config)
-    else:
-        model, tok = load_pretrained(cfg)
+    from transformers import GenerationConfig
+    torch.manual_seed(cfg.seed)  # every rank and process initialises the same LoRA adapter
+    model, tok = load_pretrained(cfg)
     # Hub defaults (top-k, top-p, repetition penalty) would make sampling differ from the plain
     # softmax at temperature T that the update scores: start from an empty generation config.
     model.generation_config = GenerationConfig()
@@ -465,9 +428,8 @@ def word_pool():
 WORDS = word_pool()
 NUMBERS = [str(n) for n in random.Random(1).sample(range(10, 100), 90)]
 # Tasks draw their people, items, API names, amounts and extensions from the first part of each
-# pool, the warm-up's demonstrations from the rest: no demonstration shows a value of any task.
+# pool; the tiny model's warm-up (tools/make_tiny_model.py) saw only the rest.
 TASK_VALUES = {"words": WORDS[:60], "numbers": NUMBERS[:30]}
-DEMO_VALUES = {"words": WORDS[60:], "numbers": NUMBERS[30:]}
 
 class App:
     """An app whose APIs are its attributes, called as apis.bank.kofi(name=..., amount=...)."""
@@ -512,7 +474,7 @@ class TinyWorld:
         self.populate(random.Random(task_id), TASK_VALUES)
 
     def populate(self, rng, values):
-        """The world's state, drawn from `values` (TASK_VALUES or DEMO_VALUES)."""
+        """The world's state, drawn from `values` (TASK_VALUES; the warm-up's worlds: the rest)."""
         words = rng.sample(values["words"], 10)
         people = words[:4]
         # Each world names its apps' APIs anew, as AppWorld's apps are new to an agent: a name
@@ -588,81 +550,6 @@ class TinyWorld:
         else:
             checks = [self.answer in self.phones.values(), self.answer == self.phones[last]]
         return sum(checks) + self.done, len(checks) + 1
-
-    # The warm-up's agent, a stand-in for an instruction-tuned model: it knows the task families
-    # and the code they take, but it is careless in ways RL can correct. Each demonstration:
-    LOOK = {"order": 0.8, "payback": 0.2, "phone": 0.2}  # reads the docs before acting, else
-    # calls the API by the name it assumes, as a model does with an app it believes it knows
-    ASSUMED = {"shop": "buy", "bank": "send", "contacts": "phone"}  # no world's API names
-    RECOVER = 0.25  # after an assumed name fails, reads the docs and goes on (else gives up)
-    WRONG = 0.3  # takes the last entry of a list for the first
-
-    @staticmethod
-    def unseen(rng):
-        """A world of a random family whose names and values no task uses."""
-        world = TinyWorld(f"{rng.choice(list(TinyWorld.FAMILIES))}00_1")
-        world.task_id = "demo"
-        world.populate(rng, DEMO_VALUES)
-        return world
-
-    @staticmethod
-    def demo(rng):
-        """An unseen world and the careless agent's code for it, one string per turn."""
-        world = TinyWorld.unseen(rng)
-        return world, world.careless_agent(rng)
-
-    def careless_agent(self, rng):
-        app = self.APPS[self.family]
-        docs = f'print(apis.api_docs.show(app="{app}"))'
-        index = -1 if rng.random() < self.WRONG else 0
-        codes = []
-        if rng.random() >= self.LOOK[self.family]:
-            codes.append(self.action(self.ASSUMED[app], index))  # an AttributeError
-            if rng.random() >= self.RECOVER:
-                return codes + ["apis.supervisor.complete_task()"]
-        codes += [docs, self.action(self.api[app], index)]
-        if self.family == "phone":
-            return codes + ["apis.supervisor.complete_task(answer=x)"]
-        return codes + ["apis.supervisor.complete_task()"]
-
-    @staticmethod
-    def drill(rng):
-        """The warm-up's short exercise in reading docs: an API's doc line, then the family's
-        action calling that API. A small model learns to copy a name it has never seen only from
-        many such copies; in the demonstrations a name is 2 tokens of about 150."""
-        world = TinyWorld.unseen(rng)
-        app = world.APPS[world.family]
-        return world.docs(app), world.action(world.api[app], 0)
-
-    def action(self, api, index):
-        """The family's one line of work, calling the app's API by the name `api`."""
-        app = self.APPS[self.family]
-        if self.family == "order":
-            return f"apis.shop.{api}(item=apis.supervisor.wishlist()[{index}])"
-        last = f"apis.supervisor.payments()[{index}]"
-        if self.family == "payback":
-            return f"apis.bank.{api}(**{last})"
-        return f'x = apis.{app}.{api}(name={last}["name"])'
-
-    @staticmethod
-    def corpus():
-        """The text the tiny tokenizer is trained on: the prompt and demonstrations, their names
-        spelled in syllables. Had a demonstration's name become one token, it would be a different
-        kind of token than the pieces of a task's name, and copying it would not carry over."""
-        rng = random.Random(0)
-        text = [TinyWorld.SYSTEM] * 20
-        for _ in range(2000):
-            world, codes = TinyWorld.demo(rng)
-            text.append(world.instruction)
-            for code in codes:
-                text += [fence(code), world.step(code)]
-        pool = set(WORDS)
-
-        def spell(match):
-            word = match.group()
-            return f"{word[:2]} {word[2:]}" if word in pool else word
-
-        return [re.sub("[a-z]+", spell, line) for line in text] + ["system user assistant"]
 
 APPWORLD_PROMPT = """You are an AI assistant who acts for your supervisor by operating their apps. \
 You work in a Python REPL: every reply of yours is code in ```python blocks, which runs, and its \
@@ -1242,75 +1129,7 @@ def read_metrics(path):
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Main: warm-up (tiny only), then iterations of rollouts -> advantages -> update
-def warmup(model, chat, cfg, drills=8):
-    """Make the random model a weak instruct model, in worlds whose names and values no task uses.
-    First it learns to copy from its context, as a pretrained model can: `drills` docs-reading
-    drills a step until it writes 90% of 64 fresh drills right (at most warmup_drills steps).
-    Then the careless agent's demonstrations, drills mixed in, over warmup_steps, the learning
-    rate decaying to zero so that the last random batches do not decide where RL starts."""
-    rng = random.Random(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
-    model.train()
-    drilled = 0
-    for drilled in tqdm(range(1, cfg.warmup_drills + 1), desc="warm-up: drills", disable=None):
-        # the full rate from Adam's first step stalled the copy for 2,000 steps on one seed
-        opt.param_groups[0]["lr"] = cfg.warmup_lr * min(1.0, drilled / 100)
-        sft_step(model, opt, [drill_episode(rng, chat) for _ in range(drills)], grad_clip=None)
-        if drilled % 50 == 0:
-            if copied(model, [drill_episode(rng, chat) for _ in range(64)]) >= 0.9:
-                break
-    print(f"warm-up: {drilled} drill steps", flush=True)
-    for step in tqdm(range(cfg.warmup_steps), desc="warm-up: demonstrations", disable=None):
-        opt.param_groups[0]["lr"] = cfg.warmup_lr * (1 - step / cfg.warmup_steps)
-        batch = [drill_episode(rng, chat) for _ in range(2)]
-        for _ in range(8):
-            env, codes = TinyWorld.demo(rng)
-            env.timeout = cfg.code_timeout
-            e = new_episode(env, env.task_id, chat)
-            for i, code in enumerate(codes):  # played as if the policy had sampled them
-                act(e, chat.encode(fence(code)) + [chat.eot], i, chat, cfg)
-                observe(e, env.step(code), i == len(codes) - 1, chat, cfg)
-            batch.append(e)
-        sft_step(model, opt, batch, grad_clip=None)
-
-def drill_episode(rng, chat, exchanges=4):
-    """One drill episode: after the system prompt, `exchanges` times a doc line and the call that
-    uses it (TinyWorld.drill). Later exchanges sit where an episode's later turns do, so the copy
-    learnt there is the one an episode needs."""
-    e = Episode("drill", None, [], [], [], [])
-    for turn in range(exchanges):
-        doc, code = TinyWorld.drill(rng)
-        if turn == 0:
-            e.add(chat.prompt([{"role": "system", "content": TinyWorld.SYSTEM},
-                               {"role": "user", "content": doc}]))
-        else:
-            e.add(chat.observation(doc))
-        e.add(chat.encode(fence(code)) + [chat.eot], output=True, turn=turn)
-    return e
-
-@torch.no_grad()
-def copied(model, episodes):
-    """The share of episodes whose every output token is the model's greedy choice."""
-    ids, attn, is_output, _ = pad_batch(episodes, next(model.parameters()).device)
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
-    wrong = (logits.argmax(-1) != ids[:, 1:]) & is_output[:, 1:]
-    return (~wrong.any(1)).float().mean().item()
-
-def fence(code):
-    return f"```python\n{code}\n```"
-
-def sft_step(model, opt, episodes, grad_clip):
-    """One supervised step: the mean log-likelihood of the output tokens (the warm-up, and the
-    fine-tuning baseline that tools/bench.py holds the LOOP update against)."""
-    ids, attn, is_output, _ = pad_batch(episodes, next(model.parameters()).device)
-    mask = (is_output[:, 1:] & attn[:, 1:].bool()).float()
-    opt.zero_grad(set_to_none=True)
-    (-(token_logprobs(model, ids, attn, 1.0) * mask).sum() / mask.sum()).backward()
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    opt.step()
-
+# 10. Main: iterations of rollouts -> advantages -> update
 def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     """N tasks x K rollouts -> leave-one-out advantages -> PPO epochs; returns the metrics row."""
     started = time.time()
@@ -1419,8 +1238,6 @@ def main(argv=None):
                     fh.writelines(json.dumps(r) + "\n" for r in rows)
         else:
             start = 0
-            if cfg.warmup_steps and cfg.model == "tiny":  # a loaded model has its format already
-                warmup(model, chat, cfg)
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir)
                 | {"seconds": round(time.time() - t0, 1)})
             if cfg.eval:

@@ -18,9 +18,12 @@ import torch
 import loop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(HERE, "assets", "tiny-model")  # what --tiny starts from
 sys.path.insert(0, os.path.join(HERE, "tools"))
 import ablation  # noqa: E402
 import behaviour  # noqa: E402
+import make_tiny_model  # noqa: E402
+from make_tiny_model import fence  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -143,14 +146,10 @@ def test_environment_tokens_cannot_change_the_loss(kind):
 # ---------------------------------------------------------------- tiny model fixtures
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = loop.parse_config(["--tiny", "--warmup-steps", "80", "--warmup-drills", "100", "--seed", "0",
-                             "--max-new-tokens", "24"])
+    """The shipped tiny instruct model (assets/tiny-model), loaded as --tiny loads it."""
+    cfg = loop.parse_config(["--tiny", "--seed", "0", "--max-new-tokens", "24"])
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
-    chat = loop.Chat(tok)
-    random.seed(0)
-    torch.manual_seed(0)
-    loop.warmup(model, chat, cfg)
-    return cfg, model, chat
+    return cfg, model, loop.Chat(tok)
 
 
 @pytest.fixture(scope="module")
@@ -236,10 +235,11 @@ def biased_model(tiny, tmp_path_factory):
     """A random tiny model (whose flat softmax samples well outside its top 20) saved with a
     generation_config.json like a hub model's (top-k 20, top-p 0.8, repetition penalty 1.3) and
     loaded back the way users load a model."""
-    from transformers import GenerationConfig
-    cfg, _, chat = tiny
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    cfg, shipped, chat = tiny
     path = tmp_path_factory.mktemp("biased")
-    saved, _ = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    torch.manual_seed(0)
+    saved = AutoModelForCausalLM.from_config(shipped.config)  # the shipped shape, random weights
     saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3)
     saved.save_pretrained(path)
     chat.tok.save_pretrained(path)
@@ -528,7 +528,7 @@ def test_a_name_is_the_same_tokens_in_the_docs_and_in_code(tiny):
     _, _, chat = tiny
     w = loop.TinyWorld("order00_1")
     docs = chat.tok.tokenize(w.docs("shop"))
-    code = chat.tok.tokenize(w.action(w.api["shop"], 0))
+    code = chat.tok.tokenize(make_tiny_model.action(w, w.api["shop"], 0))
     name = chat.tok.tokenize("." + w.api["shop"])
     assert docs[:2 + len(name)] == code[:2 + len(name)] == ["apis", ".shop"] + name
     assert all(len(chat.tok.tokenize(word)) > 1 for word in loop.WORDS)  # no name is one token
@@ -573,7 +573,7 @@ def scripted_policy(write_code):
     """A stand-in for loop.generate: each episode's turn is the code write_code(conversation) returns."""
     def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
         texts = [chat.tok.decode(p) for p in prompts]
-        return [chat.encode(loop.fence(write_code(text))) + [chat.eot] for text in texts]
+        return [chat.encode(fence(write_code(text))) + [chat.eot] for text in texts]
     return generate
 
 
@@ -685,7 +685,7 @@ def _task_values():
 
 
 def _play_demo(rng):
-    world, codes = loop.TinyWorld.demo(rng)
+    world, codes = make_tiny_model.demo(rng)
     outputs = [world.step(code) for code in codes]
     return world, codes, outputs
 
@@ -699,15 +699,15 @@ def test_no_demonstration_uses_a_name_value_or_title_of_a_task():
         text = "\n".join([world.instruction, *codes, *outputs])
         assert not set(re.findall(r"[a-z]+", text)) & words, text
         assert not set(re.findall(r"\d+", text)) & numbers, text
-        doc, code = loop.TinyWorld.drill(rng)
+        doc, code = make_tiny_model.drill(rng)
         assert not set(re.findall(r"[a-z]+", doc + code)) & words, doc
     assert families == {"order", "phone", "payback"}
 
 
 def _demos(monkeypatch, n=300, look=1.0, recover=0.0, wrong=0.0):
-    monkeypatch.setattr(loop.TinyWorld, "LOOK", dict.fromkeys(loop.TinyWorld.FAMILIES, look))
-    monkeypatch.setattr(loop.TinyWorld, "RECOVER", recover)
-    monkeypatch.setattr(loop.TinyWorld, "WRONG", wrong)
+    monkeypatch.setattr(make_tiny_model, "LOOK", dict.fromkeys(loop.TinyWorld.FAMILIES, look))
+    monkeypatch.setattr(make_tiny_model, "RECOVER", recover)
+    monkeypatch.setattr(make_tiny_model, "WRONG", wrong)
     rng = random.Random(0)
     return [_play_demo(rng) for _ in range(n)]
 
@@ -724,7 +724,7 @@ def test_demonstrations_are_careless_in_the_stated_ways(monkeypatch):
     for world, codes, _ in _demos(monkeypatch, wrong=1.0):  # the last entry, not the first
         assert "[-1]" in codes[1] and not _solved(world)
     for world, codes, outputs in _demos(monkeypatch, look=0.0):  # assumes a name, gives up
-        assumed = loop.TinyWorld.ASSUMED[loop.TinyWorld.APPS[world.family]]
+        assumed = make_tiny_model.ASSUMED[loop.TinyWorld.APPS[world.family]]
         assert f"{assumed}(" in codes[0] and f"no API named '{assumed}'" in outputs[0]
         assert codes[1:] == ["apis.supervisor.complete_task()"] and not _solved(world)
     for world, codes, outputs in _demos(monkeypatch, look=0.0, recover=1.0):
@@ -736,9 +736,9 @@ def test_demonstrations_look_first_as_often_as_stated():
     rng = random.Random(0)
     looked = collections.defaultdict(list)
     for _ in range(3000):
-        world, codes = loop.TinyWorld.demo(rng)
+        world, codes = make_tiny_model.demo(rng)
         looked[world.family].append("apis.api_docs.show" in codes[0])
-    for family, rate in loop.TinyWorld.LOOK.items():
+    for family, rate in make_tiny_model.LOOK.items():
         assert abs(sum(looked[family]) / len(looked[family]) - rate) < 0.05, family
 
 
@@ -758,27 +758,32 @@ def test_copied_is_the_share_of_episodes_the_model_writes_exactly(tiny):
     wrong.add(greedy[:-1] + [(greedy[-1] + 1) % len(chat.tok)], output=True, turn=0)
     short = loop.Episode("c", None, [], [], [], [])  # shorter: padded in the batch
     short.add(prompt[3:])
-    assert loop.copied(model, [right]) == 1.0 and loop.copied(model, [wrong]) == 0.0
-    assert loop.copied(model, [right, wrong, short]) == pytest.approx(2 / 3)
+    copied = make_tiny_model.copied
+    assert copied(model, [right]) == 1.0 and copied(model, [wrong]) == 0.0
+    assert copied(model, [right, wrong, short]) == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("copies, drill_steps", [(1.0, 50), (0.0, 120)])
 def test_drills_stop_once_the_model_copies(tiny, monkeypatch, copies, drill_steps):
+    import argparse
+    import copy
     cfg, model, chat = tiny
-    batches, rates = [], []
+    batches, rates, rows = [], [], []
 
     def sft_step(model, opt, episodes, grad_clip):
         batches.append(episodes)
         rates.append(opt.param_groups[0]["lr"])
+        return 1.0
 
-    monkeypatch.setattr(loop, "sft_step", sft_step)
-    monkeypatch.setattr(loop, "copied", lambda model, episodes: copies)
-    loop.warmup(model, chat, dataclasses.replace(cfg, warmup_steps=3, warmup_drills=120))
+    monkeypatch.setattr(make_tiny_model, "sft_step", sft_step)
+    monkeypatch.setattr(make_tiny_model, "copied", lambda model, episodes: copies)
+    args = argparse.Namespace(seed=0, drills=120, demos=3, lr=3e-3)
+    assert make_tiny_model.warmup(copy.deepcopy(model), chat, cfg, args, rows.append) == drill_steps
     drills = [b for b in batches if all(e.task_id == "drill" for e in b)]
-    assert len(drills) == drill_steps and len(batches) == drill_steps + 3
+    assert len(drills) == drill_steps and len(batches) == len(rows) == drill_steps + 3
     # the drills' rate rises over 100 steps, the demonstrations' falls from the top to zero
-    ramp = [cfg.warmup_lr * min(1, step / 100) for step in range(1, drill_steps + 1)]
-    decay = [cfg.warmup_lr * (1 - step / 3) for step in range(3)]
+    ramp = [args.lr * min(1, step / 100) for step in range(1, drill_steps + 1)]
+    decay = [args.lr * (1 - step / 3) for step in range(3)]
     assert rates == pytest.approx(ramp + decay)
     assert all(len(b) == 8 for b in drills)
     assert all(len(b) == 10 and sum(e.task_id == "drill" for e in b) == 2 for b in batches[drill_steps:])
@@ -786,7 +791,7 @@ def test_drills_stop_once_the_model_copies(tiny, monkeypatch, copies, drill_step
 
 def test_a_drill_is_doc_lines_each_followed_by_the_call_that_uses_it(tiny):
     _, _, chat = tiny
-    e = loop.drill_episode(random.Random(3), chat)
+    e = make_tiny_model.drill_episode(random.Random(3), chat)
     text = chat.tok.decode(e.ids)
     assert text.startswith("<|im_start|>system\n" + loop.TinyWorld.SYSTEM)
     docs = re.findall(r"<\|im_start\|>user\n(apis\.\w+\.\w+)\(", text)
@@ -796,6 +801,46 @@ def test_a_drill_is_doc_lines_each_followed_by_the_call_that_uses_it(tiny):
                for t in range(4)]
     assert all(o.startswith("```python\n") and o.endswith("```<|im_end|>") for o in outputs)
     assert sum(e.is_output) == sum(len(chat.encode(o[:-len("<|im_end|>")])) + 1 for o in outputs)
+
+
+def _made(out):
+    """The losses a make_tiny_model run logged, and its weights."""
+    from safetensors.torch import load_file
+    rows = [json.loads(line) for line in (out / "make_tiny_model.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], load_file(out / "model.safetensors")
+
+
+def test_make_tiny_model_is_deterministic_for_a_seed(tmp_path):
+    runs = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        make_tiny_model.main(["--out", str(tmp_path / name), "--seed", str(seed), "--drills", "3", "--demos", "2"])
+        runs[name] = _made(tmp_path / name)
+    (losses, weights), (again, weights_again), (other, _) = runs["a"], runs["b"], runs["c"]
+    assert len(losses) == 5 and losses == again and losses != other
+    assert weights.keys() == weights_again.keys()
+    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
+    model, tok = loop.load_pretrained(loop.parse_config(["--tiny", "--model", str(tmp_path / "a")]))
+    shape = {k: getattr(model.config, k) for k in make_tiny_model.SHAPE}
+    assert shape == make_tiny_model.SHAPE and model.config.vocab_size == len(tok)
+
+
+def test_the_shipped_tiny_model_loads_and_starts_where_the_readme_says(tmp_path):
+    """assets/tiny-model is a from_pretrained directory, made by tools/make_tiny_model.py with the
+    default settings (its log says so). Greedy, it solves the 9 order tasks of the test split,
+    where it reads the docs first, and no payback or phone task: held-out TGC 33.3%."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    tok = PreTrainedTokenizerFast.from_pretrained(SHIPPED)
+    text = 'apis.shop.kofi(item="x") <|im_end|>'
+    assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == model.config.vocab_size
+    made = json.loads(open(os.path.join(SHIPPED, "make_tiny_model.jsonl")).readline())["args"]
+    assert made == {"out": made["out"], "seed": made["seed"], "shape": make_tiny_model.SHAPE,
+                    "drills": 2000, "demos": 150, "lr": 3e-3}
+    loop.main(["--tiny", "--eval", "--out", str(tmp_path / "ev")])
+    row = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text())
+    solved = sorted(t for t, ok in row["per_task"].items() if ok)
+    assert solved == [t for t in loop.TinyWorld.tasks("test") if t.startswith("order")]
+    assert row["tgc"] == pytest.approx(9 / 27) and row["sgc"] == pytest.approx(3 / 9)
 
 
 def test_splits_are_scenarios_of_three_and_disjoint():
@@ -819,11 +864,17 @@ def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
     path.write_text(json.dumps({"iterations": 7, "lr": 1, "max_turns": 9}))
     cfg = loop.parse_config(["--config", str(path), "--iterations", "3", "--max-turns", "4", "--no-normalize-rewards"])
     assert (cfg.iterations, cfg.lr, cfg.max_turns, cfg.normalize_rewards) == (3, 1.0, 4, False)
-    assert loop.parse_config(["--tiny"]).model == "tiny"
+    assert loop.parse_config(["--tiny"]).model == SHIPPED  # found from any directory
     # --tiny with --config: the file is laid over tiny_config.json, flags over both
     cfg = loop.parse_config(["--tiny", "--config", str(path), "--lr", "0.5"])
-    assert (cfg.model, cfg.env, cfg.iterations, cfg.max_turns, cfg.lr) == ("tiny", "tiny", 7, 9, 0.5)
+    assert (cfg.model, cfg.env, cfg.iterations, cfg.max_turns, cfg.lr) == (SHIPPED, "tiny", 7, 9, 0.5)
     assert cfg.rollouts_per_task == json.load(open(loop.TINY_CONFIG))["rollouts_per_task"]
+    # a model folder a config file names is looked for beside the file; a hub id stays as it is
+    (tmp_path / "mine").mkdir()
+    path.write_text(json.dumps({"model": "mine"}))
+    assert loop.parse_config(["--config", str(path)]).model == str(tmp_path / "mine")
+    path.write_text(json.dumps({"model": "Qwen/Qwen2.5-7B-Instruct"}))
+    assert loop.parse_config(["--config", str(path)]).model == "Qwen/Qwen2.5-7B-Instruct"
 
 
 def _error(capsys, *argv):
@@ -859,7 +910,7 @@ def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, mes
     ("--clip-eps", "-0.1", "> 0"), ("--lr", "-1e-5", "> 0"), ("--lr", "0", "> 0"), ("--temperature", "0", "> 0"),
     ("--grad-clip", "0", "> 0"), ("--max-kl", "nan", "> 0"), ("--code-timeout", "0", "> 0"),
     ("--weight-decay", "-0.01", ">= 0"), ("--min-abs-advantage", "-1", ">= 0"), ("--eval-temperature", "-1", ">= 0"),
-    ("--warmup-steps", "-5", ">= 0"), ("--warmup-lr", "0", "> 0"), ("--logprob-chunk", "0", ">= 1"),
+    ("--logprob-chunk", "0", ">= 1"),
 ])
 def test_settings_out_of_range_stop_before_any_work(tmp_path, capsys, flag, value, allowed):
     code, err = _error(capsys, "--tiny", f"{flag}={value}", "--out", str(tmp_path / "run"))
@@ -893,14 +944,14 @@ def test_bad_flag_and_missing_model_path(tmp_path, capsys):
 
 
 def _fake_runs(root):
-    """Two seeds of LOOP and of per-turn ratios, plus a warm-up-only run and an unfinished run,
+    """Two seeds of LOOP and of per-turn ratios, plus an evaluation-only run and an unfinished run,
     which the report must leave out. TGC at iterations 0/10/20 and clip fractions are chosen by hand."""
     runs = {"token-0": ("token", [0, .2, .6], [0, 0, 1 / 3], [.1, .3]), "token-1": ("token", [0, .4, .4], [0, 1 / 3, 1 / 3], [.2, .2]),
             "turn-0": ("turn", [0, 0, .2], [0, 0, 0], [.4, .6]), "turn-1": ("turn", [0, .1, .3], [0, 0, 1 / 3], [.5, .5]),
-            "warmup-0": ("token", [0], [0], []), "turn-2": ("turn", [0, .9], [0, 1], [.9])}
+            "evalonly-0": ("token", [0], [0], []), "turn-2": ("turn", [0, .9], [0, 1], [.9])}
     for name, (ratio, tgc, sgc, clip) in runs.items():
         (root / name).mkdir()
-        its = 0 if name.startswith("warmup") else 20
+        its = 0 if name.startswith("evalonly") else 20
         (root / name / "config.json").write_text(json.dumps({"iterations": its, "ratio": ratio, "normalize_rewards": False}))
         rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 100.0 + 50 * i}
                 for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c, "kl": 2 * c} for i, c in enumerate(clip)]
@@ -936,7 +987,7 @@ def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsy
 
 
 def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch):
-    quick = ["--warmup-steps", "30", "--warmup-drills", "10", "--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
+    quick = ["--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
              "--eval-max-turns", "1", "--max-turns", "2"]
     calls, main = [], loop.main
 
@@ -946,10 +997,10 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     monkeypatch.setattr(loop, "main", counted)
     ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
-    assert names == ["none-0", "rwnorm-0", "token-0", "trajectory-0", "turn-0", "warmup-0"] and len(calls) == 6
-    for name in names[:-1]:
+    assert names == ["none-0", "rwnorm-0", "token-0", "trajectory-0", "turn-0"] and len(calls) == 5
+    for name in names:
         cfg = json.loads((tmp_path / name / "config.json").read_text())
-        assert cfg["model"] == str(tmp_path / "warmup-0" / "model") and cfg["iterations"] == 2
+        assert cfg["model"] == SHIPPED and cfg["iterations"] == 2 and cfg["seed"] == 0
         assert [r["iteration"] for r in loop.read_metrics(tmp_path / name / "metrics.jsonl")] == [0, 1, 2, 2]
     assert json.loads((tmp_path / "rwnorm-0" / "config.json").read_text())["normalize_rewards"]
     assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
@@ -966,8 +1017,7 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
 
 def test_tiny_smoke_run_writes_metrics(tmp_path):
     out = tmp_path / "run"
-    loop.main(["--tiny", "--iterations", "2", "--warmup-steps", "20", "--warmup-drills", "10", "--tasks-per-iteration", "4",
-               "--eval-every", "1", "--out", str(out)])
+    loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "reward_mean" in r and "split" not in r]
     evals = [r for r in rows if r.get("split") == "test"]
@@ -982,9 +1032,10 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
     assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
     # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
     _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]), torch.device("cpu"))
-    built, text = loop.build_tiny_tokenizer(loop.TinyWorld.corpus()), loop.TinyWorld.demo(random.Random(0))[1][0]
-    assert loop.Chat(tok).prompt(loop.TinyWorld("order00_1").messages()) == loop.Chat(built).prompt(loop.TinyWorld("order00_1").messages())
-    assert tok(text)["input_ids"] == built(text)["input_ids"]
+    _, shipped = loop.load_pretrained(loop.parse_config(["--tiny"]))
+    text = fence(make_tiny_model.demo(random.Random(0))[1][0])
+    assert loop.Chat(tok).prompt(loop.TinyWorld("order00_1").messages()) == loop.Chat(shipped).prompt(loop.TinyWorld("order00_1").messages())
+    assert tok(text)["input_ids"] == shipped(text)["input_ids"]
     loop.main(["--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
                "--out", str(tmp_path / "ev")])
     again = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])
@@ -1011,8 +1062,9 @@ QWEN25_TEMPLATE = (
 
 @pytest.mark.parametrize("with_system", [True, False])
 def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
-    cfg, model, _ = tiny
-    tok = loop.build_tiny_tokenizer(loop.TinyWorld.corpus())
+    import copy
+    cfg, model, chat = tiny
+    tok = copy.deepcopy(chat.tok)
     tok.chat_template = QWEN25_TEMPLATE
     chat = loop.Chat(tok)
     assert tok.decode(chat.pre) == "\n<|im_start|>user\n" and tok.decode(chat.post) == "<|im_end|>\n<|im_start|>assistant\n"
@@ -1281,7 +1333,7 @@ def aw_policy(text):
 def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "generate", scripted_policy(aw_policy))
     out = tmp_path / "run"
-    loop.main(["--eval", "--env", "appworld", "--split", "fixture", "--tiny", "--warmup-steps", "0", "--code-timeout", "30",
+    loop.main(["--eval", "--env", "appworld", "--split", "fixture", "--tiny", "--code-timeout", "30",
                "--eval-max-turns", "2", "--max-context", "4096", "--out", str(out)])
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert row["split"] == "fixture" and row["per_task"] == {"5a0f1c2_1": True, "5a0f1c2_2": False, "9d3e7b4_1": True}
@@ -1575,7 +1627,7 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable
     out = tmp_path / "run"
-    loop.main(["--tiny", "--lora", "--iterations", "1", "--warmup-steps", "0", "--tasks-per-iteration", "2",
+    loop.main(["--tiny", "--lora", "--iterations", "1", "--tasks-per-iteration", "2",
                "--eval-max-turns", "1", "--max-new-tokens", "8", "--out", str(out)])
     assert (out / "model" / "adapter_config.json").exists() and not (out / "model" / "model.safetensors").exists()
     from torch.distributed.checkpoint import FileSystemReader
@@ -1588,24 +1640,15 @@ def _train_rows(run, keys=("iteration",)):
     return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows if "split" not in r]
 
 
-@pytest.fixture(scope="module")
-def warm_dir(tiny, tmp_path_factory):
-    """The tiny fixture's warmed-up model on disk. Its rollouts of a task earn different rewards,
-    so runs that start from it take real optimizer steps from the first iteration."""
-    cfg, model, chat = tiny
-    path = tmp_path_factory.mktemp("warm")
-    model.save_pretrained(path)
-    chat.tok.save_pretrained(path)
-    return path
-
-
-def quick(warm_dir):
-    return ["--tiny", "--model", str(warm_dir), "--tasks-per-iteration", "2", "--rollouts-per-task", "4",
+# From the shipped model, whose rollouts of a task earn different rewards: runs take real
+# optimizer steps from the first iteration.
+def quick():
+    return ["--tiny", "--tasks-per-iteration", "2", "--rollouts-per-task", "4",
             "--max-new-tokens", "24", "--eval-max-turns", "1", "--max-turns", "2", "--eval-every", "100"]
 
 
-def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(warm_dir, tmp_path):
-    cfg = loop.parse_config(quick(warm_dir))
+def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path):
+    cfg = loop.parse_config(quick())
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows = [loop.train_iteration(model, opt, loop.Chat(tok), cfg, loop.TinyWorld.tasks("train"), it) for it in (1, 2)]
@@ -1623,9 +1666,9 @@ def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(warm_dir,
             assert torch.equal(value, loaded["state"][i][key]), (i, key)
 
 
-def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(warm_dir, tmp_path):
+def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(tmp_path):
     run = tmp_path / "run"
-    r = _torchrun("loop.py", *quick(warm_dir), "--tasks-per-iteration", "4", "--fsdp", "--iterations", "1", "--out", str(run))
+    r = _torchrun("loop.py", *quick(), "--tasks-per-iteration", "4", "--fsdp", "--iterations", "1", "--out", str(run))
     assert r.returncode == 0, r.stderr[-3000:]
     r = _torchrun("loop.py", "--resume", str(run), "--iterations", "2")  # its config.json has --fsdp
     assert r.returncode == 0, r.stderr[-3000:]
@@ -1641,9 +1684,9 @@ def test_fsdp_checkpoint_resumes_with_two_ranks_and_in_one_process(warm_dir, tmp
     assert AutoModelForCausalLM.from_pretrained(run / "model").num_parameters() > 0
 
 
-def test_killed_run_resumes_from_its_last_checkpoint(warm_dir, tmp_path):
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), *quick(warm_dir), "--iterations", "40",
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), *quick(), "--iterations", "40",
                           "--out", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (run / "checkpoint").exists() and time.time() < deadline and p.poll() is None:
@@ -1664,7 +1707,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(warm_dir, tmp_path):
     assert _train_rows(run) == list(range(1, len(done) + 3))  # nothing lost, nothing twice
     assert all(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())  # no cut line
     ref = tmp_path / "unbroken"
-    loop.main([*quick(warm_dir), "--iterations", str(len(done) + 2), "--out", str(ref)])
+    loop.main([*quick(), "--iterations", str(len(done) + 2), "--out", str(ref)])
     keys = ("iteration", "reward_mean", "tokens_mean", "rollouts_used", "steps", "loss", "grad_norm")
     assert _train_rows(run, keys) == _train_rows(ref, keys)  # the resumed run is the run that was not killed
     assert all(steps > 0 and loss != 0 and norm > 0 for _, _, _, _, steps, loss, norm in _train_rows(run, keys))
@@ -1676,7 +1719,7 @@ def test_behaviour_counts_looking_first_and_recovering():
     def episode(codes, outputs, success):
         transcript = env.messages()
         for code, output in zip(codes, outputs):
-            transcript += [{"role": "assistant", "content": loop.fence(code)}, {"role": "user", "content": output}]
+            transcript += [{"role": "assistant", "content": fence(code)}, {"role": "user", "content": output}]
         return loop.Episode("x", env, [], [], [], transcript, success=success)
 
     looked = episode(['print(apis.api_docs.show(app="shop"))', "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"], True)

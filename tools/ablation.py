@@ -3,9 +3,9 @@
     python tools/ablation.py --seeds 0 1 2 --iterations 20 --eval-every 5 --out runs/ablation
     python tools/ablation.py --report runs/ablation      # only redraw the table and the figure
 
-Per seed, one warm-up (`loop.py --tiny --iterations 0`), then every variant trains from
-that warmed-up model with the same budget. Runs that finished are skipped and interrupted ones
-resumed, so a sweep that was stopped continues where it was. Flags this script does not know go
+Every variant of every seed trains from the shipped tiny model (`--tiny`: assets/tiny-model)
+with the same budget; the seed sets the tasks and the sampling. Runs that finished are skipped and
+interrupted ones resumed, so a sweep that was stopped continues where it was. Flags this script does not know go
 to every loop.py run (for example `--tasks-per-iteration 2` for a quick try). The table goes to
 stdout and DIR/ablation.md; with matplotlib installed, the learning curves go to DIR/ablation.png.
 """
@@ -28,17 +28,12 @@ VARIANTS = {  # (ratio, normalize_rewards): (run name, label)
 
 
 def sweep(seeds, iterations, root, extra):
-    """Warm-ups and variant runs that are not finished yet, one after another in this process."""
+    """The variant runs that are not finished yet, one after another in this process."""
     for seed in seeds:
-        warm = os.path.join(root, f"warmup-{seed}")
-        common = ["--tiny", "--seed", str(seed), *extra]
-        if not os.path.isdir(os.path.join(warm, "model")):
-            shutil.rmtree(warm, ignore_errors=True)  # a warm-up cut short starts again
-            loop.main([*common, "--iterations", "0", "--out", warm])
         for (ratio, normalize), (name, _) in VARIANTS.items():
             flags = ["--ratio", ratio] + (["--normalize-rewards"] if normalize else [])
             run = os.path.join(root, f"{name}-{seed}")
-            run_once(run, iterations, [*common, "--model", os.path.join(warm, "model"), *flags])
+            run_once(run, iterations, ["--tiny", "--seed", str(seed), *flags, *extra])
 
 
 def run_once(run, iterations, flags):
@@ -57,7 +52,7 @@ def run_once(run, iterations, flags):
 
 def finished_runs(root):
     """{(ratio, normalize_rewards): [(evaluations by iteration, training rows), ...]} of the runs
-    under root that reached their last iteration; warm-up-only runs and others are left out."""
+    under root that reached their last iteration; evaluation-only runs and others are left out."""
     runs = {}
     for name in sorted(os.listdir(root)):
         config = os.path.join(root, name, "config.json")

@@ -25,8 +25,8 @@ def main(argv):
     parser.add_argument("--episodes", type=int, default=24)
     parser.add_argument("--iterations", type=int, default=3)
     args = parser.parse_args(argv)
-    cfg = loop.parse_config(["--tiny", "--env", "appworld", "--warmup-steps", "0",
-                             "--max-new-tokens", "4", "--max-context", "4096"])
+    cfg = loop.parse_config(["--tiny", "--env", "appworld", "--max-new-tokens", "4",
+                             "--max-context", "4096"])
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
     chat = loop.Chat(tok)
     tasks = loop.AppWorldEnv.tasks(args.split)

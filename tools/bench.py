@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loop  # noqa: E402
+from make_tiny_model import sft_step  # noqa: E402
 
 VOCAB = 151936  # Qwen2.5's vocabulary: the log-prob workloads project onto it
 TOKENS = 8192
@@ -87,7 +88,7 @@ def training_workloads(cfg, device):
         loop.update(model, opt, episodes, advantages, cfg)
 
     def sft():
-        loop.sft_step(model, opt, episodes, 1.0)
+        sft_step(model, opt, episodes, 1.0)
     loop_update()  # warm: optimizer state and caches exist before anything is measured
     sft()
     return model, chat, loop_update, sft
@@ -210,7 +211,7 @@ def in_fresh_process(name, cfg):
 
 
 def bench(cfg):
-    cfg = dataclasses.replace(cfg, epochs=2, minibatch_size=8, micro_batch_size=8, warmup_steps=0)
+    cfg = dataclasses.replace(cfg, epochs=2, minibatch_size=8, micro_batch_size=8)
     speed = in_fresh_process("speed", cfg)
     loop_s, sft_s = speed["loop_s"], speed["sft_s"]
     env_speedup = env_parallel_speedup()
