@@ -4,9 +4,9 @@
     python tools/ablation.py --report runs/ablation      # only redraw the table and the figure
 
 Every variant of every seed trains from the shipped tiny model (`--tiny`: assets/tiny-model)
-with the same budget; the seed sets the tasks and the sampling. Runs that finished are skipped and
-interrupted ones resumed, so a sweep that was stopped continues where it was. Flags this script does not know go
-to every loop.py run (for example `--tasks-per-iteration 2` for a quick try). The table goes to
+with the same budget; the seed sets the tasks and the sampling. Runs that finished are skipped
+and interrupted ones resumed, so a sweep that was stopped continues where it was. Flags this
+script does not know go to every loop.py run (for example `--tasks-per-iteration 2` for a quick try). The table goes to
 stdout and DIR/ablation.md; with matplotlib installed, the learning curves go to DIR/ablation.png.
 """
 import argparse
