@@ -834,8 +834,8 @@ def test_the_shipped_tiny_model_loads_and_starts_where_the_readme_says(tmp_path)
     text = 'apis.shop.kofi(item="x") <|im_end|>'
     assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == model.config.vocab_size
     made = json.loads(open(os.path.join(SHIPPED, "make_tiny_model.jsonl")).readline())["args"]
-    assert made == {"out": made["out"], "seed": made["seed"], "shape": make_tiny_model.SHAPE,
-                    "drills": 2000, "demos": 150, "lr": 3e-3}
+    assert made == {"out": "assets/tiny-model", "seed": 1, "shape": make_tiny_model.SHAPE,
+                    "drills": 2000, "demos": 150, "lr": 3e-3}  # the command docs/tiny-model.md gives
     loop.main(["--tiny", "--eval", "--out", str(tmp_path / "ev")])
     row = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text())
     solved = sorted(t for t, ok in row["per_task"].items() if ok)
