@@ -348,8 +348,8 @@ class Chat:
         return self.pre + self.encode(text, literal=True) + self.post
 
     def truncate(self, text, max_tokens):
-        # Tokenized a piece at a time and only as far as the cut: BPE on a run without spaces takes
-        # quadratic time (80k characters: 31 s with the tiny tokenizer), and code can print megabytes.
+        # Tokenized a piece at a time, only up to the cut: BPE on a run without spaces takes
+        # quadratic time (80k characters: 31 s with the tiny tokenizer); code can print megabytes.
         ids = []
         for start in range(0, len(text), 1000):
             ids += self.encode(text[start:start + 1000], literal=True)
@@ -371,7 +371,7 @@ class Chat:
 # ----------------------------------------------------------------------------------------------
 # 3. Environments. Fork here for a new environment: a class made as Env(task_id, timeout,
 #    experiment) with tasks(split) -> ids "<scenario>_<n>", messages(), step(code) -> observation,
-#    `done`, and evaluate() -> (tests passed, tests total).
+#    `done`, and evaluate() -> (tests passed, tests total), or None when the world itself failed.
 def extract_code(text):
     """All ```python / ```py blocks joined; an unterminated last block counts; no block -> ""."""
     blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
@@ -605,8 +605,9 @@ def appworld_worker(conn):
 
 class AppWorldEnv:
     """The real AppWorld (appworld package). Each episode's world lives in a worker process; one
-    that dies or hangs ends its episode as failed (reward 0) and training goes on. A worker whose
-    world was evaluated waits in `idle` to load the next episode's task."""
+    that dies or hangs ends its episode as failed (an infrastructure failure, not a reward) and
+    training goes on. A worker whose world was evaluated waits in `idle` to load the next
+    episode's task; one that died while it waited is replaced."""
 
     idle = []
     LOOKUP = "apis.api_docs."
@@ -638,9 +639,17 @@ class AppWorldEnv:
         self.done = False
         self.failed = False
         self.info = None
-        self.worker, self.conn = self.idle.pop() if self.idle else self.start_worker()
+        self.worker, self.conn = self.take_worker()
         root = os.environ.get("APPWORLD_ROOT", os.getcwd())
         self.call(("load", (task_id, experiment, timeout, root)), wait=0)  # messages() waits
+
+    @staticmethod
+    def take_worker():
+        while AppWorldEnv.idle:
+            worker, conn = AppWorldEnv.idle.pop()
+            if worker.is_alive():  # else it died while it waited
+                return worker, conn
+        return AppWorldEnv.start_worker()
 
     @staticmethod
     def start_worker():
@@ -690,9 +699,8 @@ class AppWorldEnv:
 
     def evaluate(self):
         result = None if self.failed else self.call(("evaluate", None), wait=120)
-        if result is None:
-            return 0, 1
-        AppWorldEnv.idle.append((self.worker, self.conn))
+        if result is not None:
+            AppWorldEnv.idle.append((self.worker, self.conn))
         return result
 
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
@@ -712,6 +720,7 @@ class Episode:
     done: bool = False
     reward: float = 0.0
     success: bool = False
+    failed: bool = False  # the world died, hung or did not start: an infrastructure failure
 
     def add(self, ids, output=False, turn=-1):
         self.ids += ids
@@ -832,7 +841,9 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
         layer.reshard()
         layer.set_reshard_after_forward(True, recurse=False)
     for e in episodes:
-        passed, total = e.env.evaluate()
+        result = e.env.evaluate()
+        e.failed = result is None  # the world broke: no reward, not even 0
+        passed, total = result or (0, 1)
         e.reward = passed / total
         e.success = passed == total
     return episodes
@@ -873,13 +884,19 @@ def observe(e, output, last_turn, chat, cfg):
 
 # ----------------------------------------------------------------------------------------------
 # 5. Leave-one-out advantages (Eq. 3)
-def loo_advantages(rewards, normalize=False):
-    """rewards [N, K] -> A_k = R_k - mean_{i!=k} R_i = K/(K-1) (R_k - mean R), no std division."""
-    k = rewards.shape[1]
-    adv = k / (k - 1) * (rewards - rewards.mean(1, keepdim=True))  # Eq. 3
+def loo_advantages(rewards, normalize=False, valid=None):
+    """rewards [N, K] -> A_k = R_k - mean_{i!=k} R_i = K/(K-1) (R_k - mean R), no std division.
+    `valid` [N, K] marks the rollouts whose world did not fail: a failed one leaves its group,
+    whose K' others keep the exact leave-one-out advantage over themselves. NaN (no advantage)
+    for a failed rollout and for every rollout of a group with fewer than 2 left."""
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
+    k = valid.sum(1, keepdim=True)
+    mean = torch.where(valid, rewards, 0.0).sum(1, keepdim=True) / k.clamp(min=1)
+    adv = k / (k - 1).clamp(min=1) * (rewards - mean)  # Eq. 3 over the group's K'
     if normalize:  # the paper's RwNorm ablation, as the reference code computes it; not LOOP
-        adv = adv / rewards.std(1, correction=0, keepdim=True).clamp(min=1e-7)
-    return adv
+        variance = torch.where(valid, rewards - mean, 0.0).square().sum(1, keepdim=True)
+        adv = adv / (variance / k.clamp(min=1)).sqrt().clamp(min=1e-7)  # population std
+    return torch.where(valid & (k >= 2), adv, math.nan)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -981,7 +998,9 @@ def update(model, opt, episodes, advantages, cfg):
     minibatch spans the ranks (each takes its share of its own rollouts) and every rank runs the
     same number of passes, an empty one where it has run out, so that collectives always match."""
     rank, world = rank_world()
-    keep = [i for i, a in enumerate(advantages.tolist()) if abs(a) >= cfg.min_abs_advantage]
+    # a rollout without a leave-one-out group (NaN: its world failed) has no advantage at all
+    keep = [i for i, a in enumerate(advantages.tolist())
+            if not math.isnan(a) and abs(a) >= cfg.min_abs_advantage]
     counts = all_reduce([len(keep) * (r == rank) for r in range(world)])  # kept, per rank
     stats = {"rollouts_used": int(sum(counts)), "steps": 0, "skipped_nan": 0, "abandoned": False,
              "kl": 0.0, "clip_fraction": 0.0, "loss": 0.0, "grad_norm": 0.0}
@@ -1052,7 +1071,9 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
         parts = [None] * world
         dist.all_gather_object(parts, results)
         results = [r for part in parts for r in part]
-    row = {"iteration": iteration, "split": split} | goal_completion(results)
+    failures = all_reduce([sum(e.failed for e in episodes)])[0]  # counted as not completed
+    row = {"iteration": iteration, "split": split, **goal_completion(results),
+           "env_failures": int(failures)}
     if cfg.env == "appworld":  # `appworld evaluate <experiment> <split>` reports the same numbers
         row["appworld_experiment"] = experiment
     if rank == 0:
@@ -1071,14 +1092,16 @@ def write_transcripts(folder, name, episodes):
 # ----------------------------------------------------------------------------------------------
 # 9. Checkpoints: trainable weights (the adapter with LoRA) and optimizer state by name through
 #    torch.distributed.checkpoint, one shard per rank, loadable by any number of ranks
-def train_state(model, opt):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_state, optim_state = get_state_dict(model, opt)
+def train_state(model, opt, optimizer):
+    """Trainable weights by name, and the optimizer's state tensors by name if asked for."""
+    import torch.distributed.checkpoint.state_dict as sd
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {"model": {k: v for k, v in model_state.items() if k in names}, "optim": optim_state}
+    weights = {k: v for k, v in sd.get_model_state_dict(model).items() if k in names}
+    return {"model": weights, "optim": sd.get_optimizer_state_dict(model, opt) if optimizer else {}}
 
 def save_checkpoint(run_dir, model, opt, iteration):
-    """Written under a temporary name, then renamed: a killed run leaves the last complete one.
+    """Written under a temporary name, then renamed: a kill at any moment leaves a complete
+    checkpoint of this iteration or of the one before (or none before the first).
     No RNG state: every iteration seeds itself from (seed, iteration, rank)."""
     import torch.distributed.checkpoint as dcp
     path = os.path.join(run_dir, "checkpoint")
@@ -1086,25 +1109,34 @@ def save_checkpoint(run_dir, model, opt, iteration):
     rank = rank_world()[0]
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    dcp.save(train_state(model, opt) | {"iteration": iteration}, checkpoint_id=tmp)  # all ranks
+    # An optimizer that never stepped has no state; asked for one, get_state_dict would make it
+    # with a zero step, which AdamW counts (its bias correction would be one step off)
+    state = train_state(model, opt, optimizer=bool(opt.state))
+    dcp.save(state | {"iteration": iteration}, checkpoint_id=tmp)  # all ranks
     if rank == 0:  # (the next save's collectives keep the other ranks from writing before this)
         if os.path.isdir(path):
+            shutil.rmtree(path + ".old", ignore_errors=True)  # what a kill may have left
             os.replace(path, path + ".old")  # between the two renames, .old is the complete one
         os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
 
 def load_checkpoint(run_dir, model, opt):
-    """Restore weights and optimizer; returns the iteration the checkpoint finished."""
+    """Restore weights and optimizer from the newest complete checkpoint; returns the iteration
+    it finished, or 0 if there is none yet (the run starts again from its model)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    import torch.distributed.checkpoint.state_dict as sd
     paths = [os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.old")]
     paths = [p for p in paths if os.path.isdir(p)]
     if not paths:
-        die(f"no checkpoint in {run_dir} to resume from")
-    state = train_state(model, opt) | {"iteration": 0}
+        return 0
+    saved = dcp.FileSystemReader(paths[0]).read_metadata().state_dict_metadata
+    stepped = any(key.startswith("optim.") for key in saved)  # else a fresh AdamW is its state
+    state = train_state(model, opt, optimizer=stepped) | {"iteration": 0}
     dcp.load(state, checkpoint_id=paths[0])
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=False))
+    options = sd.StateDictOptions(strict=False)
+    sd.set_model_state_dict(model, state["model"], options=options)
+    if stepped:
+        sd.set_optimizer_state_dict(model, opt, state["optim"], options=options)
     return state["iteration"]
 
 def save_model(run_dir, model, tok):
@@ -1119,6 +1151,8 @@ def save_model(run_dir, model, tok):
 def read_metrics(path):
     """The rows of a metrics.jsonl; a line cut short by a kill while it was written is dropped."""
     rows = []
+    if not os.path.exists(path):  # a run killed before it logged anything
+        return rows
     with open(path) as fh:
         for line in fh:
             try:
@@ -1126,6 +1160,18 @@ def read_metrics(path):
             except json.JSONDecodeError:
                 continue
     return rows
+
+def keep_rows(path, last):
+    """Keep the log's rows up to iteration `last` only (none twice, no cut line); return them."""
+    rows = [r for r in read_metrics(path) if r["iteration"] <= last]
+    write_atomically(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+def write_atomically(path, text):
+    """A kill while this writes leaves the old file or the new one, never part of one."""
+    with open(path + ".tmp", "w") as fh:
+        fh.write(text)
+    os.replace(path + ".tmp", path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1147,16 +1193,19 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
             for i, task in enumerate(task_ids)]
     episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
-    advantages = loo_advantages(rewards, cfg.normalize_rewards).flatten()
+    valid = torch.tensor([not e.failed for e in episodes]).view(len(tasks), k)
+    advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
     stats = update(model, opt, episodes, advantages, cfg)
     looked, erred, recovered = behaviour(episodes)
-    n, reward, success, turns, tokens, looked, erred, recovered = all_reduce([
-        len(episodes), rewards.sum().item(), sum(e.success for e in episodes),
-        sum(1 + max(e.turn) for e in episodes), sum(len(e.ids) for e in episodes),
-        looked, erred, recovered])
-    return {"iteration": iteration, "reward_mean": reward / n, "success_rate": success / n,
-            "turns_mean": turns / n, "tokens_mean": tokens / n, "looked_first": looked / n,
-            "error_rate": erred / n, "recovered": recovered / max(erred, 1), **stats,
+    n, failures, reward, success, turns, tokens, looked, erred, recovered = all_reduce([
+        len(episodes), sum(e.failed for e in episodes), (rewards * valid).sum().item(),
+        sum(e.success for e in episodes), sum(1 + max(e.turn) for e in episodes),
+        sum(len(e.ids) for e in episodes), looked, erred, recovered])
+    scored = max(n - failures, 1)  # reward and success: of the episodes whose world held up
+    return {"iteration": iteration, "reward_mean": reward / scored,
+            "success_rate": success / scored, "turns_mean": turns / n, "tokens_mean": tokens / n,
+            "env_failures": int(failures), "looked_first": looked / n, "error_rate": erred / n,
+            "recovered": recovered / max(erred, 1), **stats,
             "seconds": round(time.time() - started, 2)}
 
 def behaviour(episodes):
@@ -1199,8 +1248,8 @@ def make_run_dir(cfg):
             "or give another --out")
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as fh:
-            json.dump(dataclasses.asdict(cfg) | {"resume": ""}, fh, indent=1)
+        settings = json.dumps(dataclasses.asdict(cfg) | {"resume": ""}, indent=1)
+        write_atomically(os.path.join(run_dir, "config.json"), settings)
     return run_dir
 
 def main(argv=None):
@@ -1230,18 +1279,14 @@ def main(argv=None):
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # FSDP casts by its own mixed-precision policy
     with torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
-        if cfg.resume:
-            start = load_checkpoint(run_dir, model, opt)
-            if rank == 0:  # rows of the unfinished iteration would be logged twice
-                rows = [r for r in read_metrics(metrics) if r["iteration"] <= start]
-                with open(metrics, "w") as fh:
-                    fh.writelines(json.dumps(r) + "\n" for r in rows)
-        else:
-            start = 0
+        start = load_checkpoint(run_dir, model, opt) if cfg.resume else 0
+        kept = keep_rows(metrics, start) if cfg.resume and rank == 0 else []
+        # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
+        if not start and not all_reduce([any("split" in r for r in kept)], "max")[0]:
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir)
                 | {"seconds": round(time.time() - t0, 1)})
-            if cfg.eval:
-                return
+        if cfg.eval:
+            return
         train_tasks = ENVS[cfg.env].tasks(cfg.train_split)
         for it in tqdm(range(start + 1, cfg.iterations + 1), desc="LOOP", disable=rank != 0):
             log(train_iteration(model, opt, chat, cfg, train_tasks, it))
