@@ -238,8 +238,8 @@ def load_model_and_tokenizer(cfg, device):
     torch.manual_seed(cfg.seed)  # every rank and process initialises the same LoRA adapter
     model, tok = load_pretrained(cfg)
     # Hub defaults (top-k, top-p, repetition penalty) would make sampling differ from the plain
-    # softmax at temperature T that the update scores: start from an empty generation config.
-    model.generation_config = GenerationConfig()
+    # softmax at temperature T that the update scores: keep only the ids generation stops on.
+    model.generation_config = GenerationConfig(eos_token_id=model.generation_config.eos_token_id)
     chunked_logprob_head(model.get_output_embeddings(), cfg.logprob_chunk)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -309,43 +309,81 @@ def mean(values):
     return sum(values) / len(values) if values else 0.0
 
 class Chat:
-    """Token bookkeeping for one chat template. Templates are not append-only (default system
-    prompts, the newline after the end-of-turn token), so an episode is never re-templated: it is
-    the prompt, then the ids actually sampled, then each environment message's own tokens."""
+    """Token bookkeeping for the model's own chat template. An episode is never re-templated: it
+    is the prompt, then the ids actually sampled, then each environment message as the template
+    renders it between two turns, so that wherever the template is append-only the episode is,
+    token for token, the template's rendering of the same conversation."""
 
-    def __init__(self, tok):
+    REPLY, OBSERVATION = "\x00REPLY\x00", "\x00OBSERVATION\x00"
+
+    def __init__(self, tok, eos_ids=()):
+        from jinja2 import TemplateError
         self.tok = tok
-        vocab = tok.get_vocab()
-        self.eot = vocab.get("<|im_end|>", tok.eos_token_id)
-        specials = {vocab[t] for t in ("<|endoftext|>", "<|im_start|>") if t in vocab}
-        self.stop_ids = sorted({self.eot, tok.eos_token_id} | specials)
-        self.pre, self.post = self.separator()
+        if not tok.chat_template:
+            die(f"{tok.name_or_path} has no chat template: give an instruct (chat) model")
+        self.specials = [t.content for t in tok.added_tokens_decoder.values() if t.special]
+        self.fold_system = False
+        try:
+            self.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        except TemplateError:  # Gemma 2: "System role not supported"
+            self.fold_system = True
+            print("note: the chat template rejects a system message: its text starts the first "
+                  "user message", file=sys.stderr)
+        self.eot_text, self.pre, self.post = self.turn_end()
+        self.eot = tok.convert_tokens_to_ids(self.eot_text)
+        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
+        self.stop_ids = sorted({self.eot, tok.eos_token_id, *eos_ids} - {None})
 
-    def separator(self):
-        """The template's tokens between an assistant turn's end and the next generation, before
-        and after the observation: a probe conversation rendered with and without a reply."""
-        reply, observation = "\x00ASSISTANT\x00", "\x00OBSERVATION\x00"
-        probe = [{"role": "user", "content": "task"}, {"role": "assistant", "content": reply}]
-        before = self.tok.apply_chat_template(probe, tokenize=False)
-        probe.append({"role": "user", "content": observation})
-        after = self.tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-        end = reply + self.tok.convert_ids_to_tokens(self.eot)
-        cut = before.index(end) + len(end)
-        assert after[:cut] == before[:cut], "the chat template renders earlier turns differently"
-        pre, post = after[cut:].split(observation)
-        return self.encode(pre), self.encode(post)
+    def render(self, messages, add_generation_prompt=True):
+        if self.fold_system and messages[0]["role"] == "system":
+            system, user, *rest = messages
+            user = dict(user, content=system["content"] + "\n\n" + user["content"])
+            messages = [user, *rest]
+        return self.tok.apply_chat_template(messages, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
+
+    def between_turns(self, observation):
+        """The template's text from the end of an assistant reply to the next generation, with
+        the observation as the user's message in between."""
+        probe = [{"role": "user", "content": "task"},
+                 {"role": "assistant", "content": self.REPLY},
+                 {"role": "user", "content": observation}]
+        text = self.render(probe)
+        return text[text.index(self.REPLY) + len(self.REPLY):]
+
+    def turn_end(self):
+        """The end-of-turn token is the first special token the template writes after a reply
+        (<|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, </s>); then the text before and after
+        an observation."""
+        after = self.between_turns(self.OBSERVATION)
+        reply_end = after.split(self.OBSERVATION)[0]
+        found = [(reply_end.find(s), s) for s in self.specials if s in reply_end]
+        if not found:
+            die(f"the chat template of {self.tok.name_or_path} ends an assistant turn with no "
+                "special token, so a turn could never end: give an instruct (chat) model")
+        at, _, eot = min((at, -len(s), s) for at, s in found)  # the longer of two at one place
+        pre, post = after[at + len(eot):].split(self.OBSERVATION)
+        return eot, pre, post
 
     def encode(self, text, literal=False):
         """Template text keeps its special tokens; environment text (literal) cannot end a turn."""
         return self.tok(text, add_special_tokens=False, split_special_tokens=literal)["input_ids"]
 
     def prompt(self, messages):
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        return self.encode(self.render(messages))
 
     def observation(self, text):
-        """An environment reply between the template's separators, up to the next generation."""
-        return self.pre + self.encode(text, literal=True) + self.post
+        """An environment reply as the template renders it between turns (Llama's and Gemma's
+        `trim` included), tokenized after the end-of-turn token, where it stands in the whole
+        conversation: BPE merges the template's text around it (`[INST] `) with its words."""
+        after = self.between_turns(text)
+        at = after.index(self.eot_text)
+        rendered = after[at + len(self.eot_text) + len(self.pre):len(after) - len(self.post)]
+        if not any(s in rendered for s in self.specials):
+            return self.encode(after[at:])[1:]
+        # text that spells a special token stays plain text, so that it cannot end a turn
+        head = self.encode(self.eot_text + self.pre)[1:]
+        return head + self.encode(rendered, literal=True) + self.encode(self.post)
 
     def truncate(self, text, max_tokens):
         # Tokenized a piece at a time, only up to the cut: BPE on a run without spaces takes
@@ -1274,7 +1312,7 @@ def main(argv=None):
     t0 = time.time()
     ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
     model, tok = load_model_and_tokenizer(cfg, device)
-    chat = Chat(tok)
+    chat = Chat(tok, model.generation_config.eos_token_id)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # FSDP casts by its own mixed-precision policy

@@ -253,13 +253,21 @@ def biased_model(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("biased")
     torch.manual_seed(0)
     saved = AutoModelForCausalLM.from_config(shipped.config)  # the shipped shape, random weights
-    saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3)
+    saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3,
+                                               eos_token_id=[2, 5])
     saved.save_pretrained(path)
     chat.tok.save_pretrained(path)
     assert json.loads((path / "generation_config.json").read_text())["top_k"] == 20
     model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]),
                                                torch.device("cpu"))
-    return model, loop.Chat(tok)
+    return model, loop.Chat(tok, model.generation_config.eos_token_id)
+
+
+def test_only_the_stop_ids_of_the_hub_generation_config_are_kept(biased_model):
+    model, chat = biased_model
+    kept = model.generation_config.to_diff_dict()
+    assert {k: v for k, v in kept.items() if k != "transformers_version"} == {"eos_token_id": [2, 5]}
+    assert chat.stop_ids == [2, 5]  # the template's <|im_end|> (2) and the config's 5
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -1080,7 +1088,7 @@ def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
     tok = copy.deepcopy(chat.tok)
     tok.chat_template = QWEN25_TEMPLATE
     chat = loop.Chat(tok)
-    assert tok.decode(chat.pre) == "\n<|im_start|>user\n" and tok.decode(chat.post) == "<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.pre == "\n<|im_start|>user\n" and chat.post == "<|im_end|>\n<|im_start|>assistant\n"
     envs = [loop.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
     if not with_system:
         for env in envs:
@@ -1091,6 +1099,177 @@ def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
         assert rendered.startswith("<|im_start|>system\n" + ("Apps:" if with_system else "You are Qwen"))
         closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
         assert tok.decode(e.ids) + closing == rendered
+
+
+# ---------------------------------------------------------------- chat-model families
+# Tokenizers built here in the shape of other families: their special tokens, eos, the ids their
+# generation_config.json stops on, and a chat template written in the family's shape (byte-level
+# BPE for all, trained on a few lines: the template is what differs).
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+LLAMA3_TURNS = ("{%- for m in messages %}"
+                "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
+                "{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+GEMMA_TURNS = ("{%- for m in messages %}"
+               "{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{%- endif %}"
+               "{%- set role = 'model' if m.role == 'assistant' else m.role %}"
+               "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + m.content | trim + '<end_of_turn>\\n' }}"
+               "{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+FAMILIES = {
+    "qwen2.5": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_end|>",
+                    generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=QWEN25_TEMPLATE),
+    "qwen3": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<think>", "</think>"],
+                  eos="<|im_end|>", generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=(
+        # the thinking of a reply before the last user message is dropped: not append-only
+        "{%- set ns = namespace(last_query=0) %}"
+        "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{%- for m in messages %}"
+        "{%- if m.role == 'assistant' %}"
+        "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') %}"
+        "{%- set thinking = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') if '</think>' in m.content else '' %}"
+        "{%- if loop.index0 > ns.last_query %}"
+        "{{- '<|im_start|>assistant\\n<think>\\n' + thinking + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")),
+    "llama3.1": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|eot_id|>",
+                     generation_eos=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], eot="<|eot_id|>", template=(
+        # a system header of its own, with the system message's text after it
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content | trim %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set system = '' %}{%- endif %}"
+        "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' + system + '<|eot_id|>' }}"
+        + LLAMA3_TURNS)),
+    "llama3.0": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|end_of_text|>",
+                     generation_eos=["<|end_of_text|>"], eot="<|eot_id|>", template="{{- bos_token }}" + LLAMA3_TURNS),
+    "gemma2": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
+                   eot="<end_of_turn>", template=(
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{{- raise_exception('System role not supported') }}{%- endif %}"
+        "{%- set prefix = '' %}" + GEMMA_TURNS)),
+    "gemma3": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
+                   eot="<end_of_turn>", template=(
+        # the system text starts the first user turn
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set prefix = '' %}{%- endif %}" + GEMMA_TURNS)),
+    "phi3": dict(specials=["<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
+                 bos="<s>", eos="<|endoftext|>", generation_eos=["<|endoftext|>", "<|assistant|>", "<|end|>"], eot="<|end|>",
+                 template=("{%- for m in messages %}{{- '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{%- endfor %}"
+                           "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}")),
+    "mistral": dict(specials=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], bos="<s>", eos="</s>",
+                    generation_eos=["</s>"], eot="</s>", template=(
+        # the system text joins the first user message inside [INST] ... [/INST]
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set prefix = '' %}{%- endif %}"
+        "{%- for m in messages %}"
+        "{%- if m.role == 'user' %}{{- '[INST] ' + (prefix if loop.first else '') + m.content + ' [/INST]' }}"
+        "{%- else %}{{- m.content + eos_token }}{%- endif %}"
+        "{%- endfor %}")),
+}
+STOP_IDS_OF = {"qwen2.5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
+               "llama3.1": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3.0": ["<|eot_id|>", "<|end_of_text|>"],
+               "gemma2": ["<end_of_turn>", "<eos>"], "gemma3": ["<end_of_turn>", "<eos>"],
+               "phi3": ["<|end|>", "<|endoftext|>", "<|assistant|>"], "mistral": ["</s>"]}
+CORPUS = [loop.TinyWorld.SYSTEM, *loop.TinyWorld.FAMILIES.values(), "Execution successful. Execution failed. KeyError",
+          "```python\nprint(apis.api_docs.show('shop'))\nprint(apis.supervisor.wishlist())\n```", "Let me look first.",
+          "apis.shop.kofi(item='lena') ordered sent to  12 the system user assistant model"]
+
+
+def family_tokenizer(name):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    f = FAMILIES[name]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=f["specials"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(CORPUS * 3, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=f.get("bos"), eos_token=f["eos"],
+                                  chat_template=f["template"], padding_side="left")
+    tok.add_tokens(f.get("added", []))  # Qwen3's <think>: added, but not special
+    return tok, tok.convert_tokens_to_ids(f["generation_eos"])
+
+
+# what a rollout of the tiny world could see: code replies; observations with the spaces and
+# newlines that `trim` removes, a one-word one, and one that starts with a number
+REPLIES = ["Let me look first.\n```python\nprint(apis.api_docs.show('shop'))\n```",
+           "```python\nprint(apis.supervisor.wishlist())\n```", "```python\napis.shop.kofi(item='lena')\n```"]
+OBSERVATIONS = ["apis.shop.kofi(item): orders an item\n", "  ['lena', 'kofi']  ", "12 ordered lena"]
+
+
+def _episode_and_rendering(chat, replies):
+    """An episode built turn by turn as rollout() builds it, and the template's rendering of the
+    same conversation, up to the next generation."""
+    env, cfg = loop.TinyWorld("order00_1"), loop.Config()
+    e = loop.new_episode(env, "order00_1", chat)
+    for turn, (reply, observation) in enumerate(zip(replies, OBSERVATIONS)):
+        loop.act(e, chat.encode(reply, literal=True) + [chat.eot], turn, chat, cfg)
+        loop.observe(e, observation, False, chat, cfg)
+    conversation = list(env.messages())
+    for reply, observation in zip(replies, OBSERVATIONS):
+        conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
+    return e, chat.encode(chat.render(conversation))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chat_follows_the_family_template(name, capsys):
+    tok, generation_eos = family_tokenizer(name)
+    chat = loop.Chat(tok, generation_eos)
+    assert chat.eot_text == FAMILIES[name]["eot"]
+    assert chat.stop_ids == sorted(tok.convert_tokens_to_ids(STOP_IDS_OF[name]))
+    folded = "note: the chat template rejects a system message" in capsys.readouterr().err
+    assert folded == (name == "gemma2")
+    prompt = tok.decode(chat.prompt(loop.TinyWorld("order00_1").messages()))
+    assert loop.TinyWorld.SYSTEM in prompt and prompt.count(tok.bos_token or "\x00") <= 1
+    if folded or name in ("gemma3", "mistral"):  # the system text starts the first user message
+        assert loop.TinyWorld.SYSTEM + "\n\n" + loop.TinyWorld.FAMILIES["order"] in prompt
+    e, rendered = _episode_and_rendering(chat, REPLIES)
+    assert e.ids == rendered  # token for token, every observation where the template puts it
+    assert [i for i, out in zip(e.ids, e.is_output) if out].count(chat.eot) == len(REPLIES)
+
+
+def test_qwen3_episode_keeps_the_thinking_its_template_drops():
+    """Qwen3's template renders earlier replies without their <think> block: the episode keeps the
+    ids that were sampled (what the update scores), so it is the rendering plus the thinking."""
+    chat = loop.Chat(*family_tokenizer("qwen3"))
+    thinking = "<think>\nLook at the docs first.\n</think>\n\n"
+    e, rendered = _episode_and_rendering(chat, [thinking + r for r in REPLIES])
+    assert e.ids != rendered
+    think = chat.encode(thinking)
+    for _ in REPLIES:  # take each turn's thinking out of the episode: the rendering is left
+        at = next(i for i in range(len(e.ids)) if e.ids[i:i + len(think)] == think)
+        assert all(e.is_output[at:at + len(think)])
+        del e.ids[at:at + len(think)], e.is_output[at:at + len(think)]
+    assert e.ids == rendered
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.0", "gemma2", "mistral"])
+def test_environment_text_that_spells_a_special_token_stays_text(name):
+    chat = loop.Chat(*family_tokenizer(name))
+    ids = chat.observation(f"printed {chat.eot_text} and {chat.tok.eos_token}, then more")
+    closing = chat.encode(chat.post)
+    assert chat.eot not in ids[:-len(closing)] and chat.tok.eos_token_id not in ids[:-len(closing)]
+    assert f"printed {chat.eot_text} and" in chat.tok.decode(ids)
+
+
+def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
+    tok, _ = family_tokenizer("qwen2.5")
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(SystemExit) as stop:
+        loop.Chat(tok)
+    assert stop.value.code == 2
+    tok.chat_template = None
+    with pytest.raises(SystemExit):
+        loop.Chat(tok)
 
 
 # ---------------------------------------------------------------- AppWorld (the real package, offline)
@@ -1517,7 +1696,7 @@ def _synthetic_episodes(chat, n=8, seed=0):
         e = loop.new_episode(loop.TinyWorld(loop.TinyWorld.tasks("train")[k]), "x", chat)
         for turn in range(1 + k % 3):
             e.add([g.randrange(4, len(chat.tok)) for _ in range(g.randint(3, 12))], output=True, turn=turn)
-            e.add(chat.pre + chat.encode("Execution successful.", literal=True) + chat.post)
+            e.add(chat.observation("Execution successful."))
         eps.append(e)
     return eps, torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, 1.5][:n])
 
