@@ -13,12 +13,10 @@ no reference model, one copy of the LLM.
 makes; tools/bench.py measures this file's memory and speed; tools/ablation.py runs Table 1.
 """
 import argparse
-import ast
 import atexit
 import builtins
 import concurrent.futures
 import dataclasses
-import inspect
 import itertools
 import json
 import math
@@ -42,84 +40,74 @@ from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------
 # 1. Settings
+def setting(default, doc):
+    """A field with its one-line help kept at run time (--help needs no source file)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
 @dataclass
 class Config:
-    env: str = "appworld"
-    """Environment: appworld (the real AppWorld) or tiny (an offline miniature of it)."""
-    model: str = "Qwen/Qwen2.5-32B-Instruct"
-    """Hugging Face model id or local directory (one a config file names: beside the file first)."""
-    seed: int = 0
-    """Seed for Python, torch and task sampling."""
-    out: str = ""
-    """Run directory for metrics.jsonl, transcripts and weights (default runs/<time>)."""
-    iterations: int = 200
-    """Training iterations (reference code: 200); 0 = evaluate and save the model only."""
-    tasks_per_iteration: int = 40
-    """N: tasks sampled per iteration (paper: 40)."""
-    rollouts_per_task: int = 6
-    """K: rollouts per task, the leave-one-out group (paper: 6)."""
-    train_split: str = "train"
-    """Split the training tasks come from."""
-    split: str = "test"
-    """Split that evaluation reports TGC/SGC on."""
-    max_turns: int = 40
-    """Turns per training episode (paper: 40)."""
-    eval_max_turns: int = 50
-    """Turns per evaluation episode (paper: 50)."""
-    max_new_tokens: int = 1500
-    """Tokens the policy may sample per turn (paper: 1500)."""
-    max_context: int = 32768
-    """Episode length cap in tokens; the episode ends when the next turn would not fit."""
-    max_obs_tokens: int = 3000
-    """Environment outputs longer than this are cut, with a note saying so."""
-    code_timeout: float = 30.0
-    """Seconds the agent's code may run per turn before it is stopped."""
-    temperature: float = 1.0
-    """Sampling temperature for training rollouts; log-probs are scored at the same one."""
-    eval_temperature: float = 0.0
-    """Sampling temperature for evaluation (0 = greedy)."""
-    lr: float = 5e-5
-    """AdamW learning rate, constant (paper: 5e-5)."""
-    weight_decay: float = 0.01
-    """AdamW weight decay (reference code: 0.01)."""
-    grad_clip: float = 1.0
-    """Gradient-norm clip (paper: 1.0; reference code: 0.1)."""
-    epochs: int = 2
-    """Passes over an iteration's rollouts (paper: 2)."""
-    minibatch_size: int = 32
-    """Rollouts per optimiser step, mixed across tasks (paper: 32)."""
-    micro_batch_size: int = 4
-    """Rollouts per forward/backward pass (at most a minibatch); gradients accumulate."""
-    clip_eps: float = 0.1
-    """Ratio clipped to [1/(1+eps), 1+eps] as in the reference code (paper: [1-eps, 1+eps])."""
-    ratio: str = "token"
-    """Importance ratio: token (LOOP, Eq. 5), turn, trajectory, or none (on-policy RLOO)."""
-    normalize_rewards: bool = False
-    """Divide advantages by the group's reward std (the paper's RwNorm variant; off in LOOP)."""
-    min_abs_advantage: float = 0.01
-    """Rollouts with |A| below this carry no signal and are dropped."""
-    max_kl: float = 20.0
-    """Abandon the rest of an iteration when |KL estimate| of a minibatch exceeds this."""
-    eval_every: int = 10
-    """Evaluate every this many iterations (and before the first and after the last)."""
-    eval: bool = False
-    """Only evaluate `split`, no training."""
-    batch_episodes: int = 256
-    """Episodes generated together in one batch (per rank); bounds the KV cache."""
-    logprob_chunk: int = 512
-    """Positions per chunk of the update's vocabulary projection: [tokens x vocab] never exists."""
-    fsdp: bool = False
-    """Shard weights, gradients and optimizer state over the ranks with FSDP2 (under torchrun)."""
-    rollout_full_weights: bool = False
-    """FSDP: gather each layer once per rollout, not per token (costs the full weights per GPU)."""
-    bf16: bool = False
-    """bf16 compute; weights, gradients and optimizer state stay fp32 (a LoRA base stays bf16)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward: long episodes fit in less memory."""
-    lora: bool = False
-    """Train the paper's LoRA adapter (rank 16, alpha 32, all projections), not all weights."""
-    resume: str = ""
-    """Run directory to continue from its last complete checkpoint (its config.json is the base)."""
+    env: str = setting("appworld",
+        "Environment: appworld (the real AppWorld) or tiny (an offline miniature of it).")
+    model: str = setting("Qwen/Qwen2.5-32B-Instruct",
+        "Hugging Face model id or local directory (in a config file: beside the file first).")
+    seed: int = setting(0, "Seed for Python, torch and task sampling.")
+    out: str = setting("",
+        "Run directory for metrics.jsonl, transcripts and weights (default runs/<time>).")
+    iterations: int = setting(200,
+        "Training iterations (reference code: 200); 0 = evaluate and save the model only.")
+    tasks_per_iteration: int = setting(40, "N: tasks sampled per iteration (paper: 40).")
+    rollouts_per_task: int = setting(6, "K: rollouts per task, the leave-one-out group (paper: 6).")
+    train_split: str = setting("train", "Split the training tasks come from.")
+    split: str = setting("test", "Split that evaluation reports TGC/SGC on.")
+    max_turns: int = setting(40, "Turns per training episode (paper: 40).")
+    eval_max_turns: int = setting(50, "Turns per evaluation episode (paper: 50).")
+    max_new_tokens: int = setting(1500, "Tokens the policy may sample per turn (paper: 1500).")
+    max_context: int = setting(32768,
+        "Episode length cap in tokens; the episode ends when the next turn would not fit.")
+    max_obs_tokens: int = setting(3000,
+        "Environment outputs longer than this are cut, with a note saying so.")
+    code_timeout: float = setting(30.0,
+        "Seconds the agent's code may run per turn before it is stopped.")
+    temperature: float = setting(1.0,
+        "Sampling temperature for training rollouts; log-probs are scored at the same one.")
+    eval_temperature: float = setting(0.0, "Sampling temperature for evaluation (0 = greedy).")
+    lr: float = setting(5e-5, "AdamW learning rate, constant (paper: 5e-5).")
+    weight_decay: float = setting(0.01, "AdamW weight decay (reference code: 0.01).")
+    grad_clip: float = setting(1.0, "Gradient-norm clip (paper: 1.0; reference code: 0.1).")
+    epochs: int = setting(2, "Passes over an iteration's rollouts (paper: 2).")
+    minibatch_size: int = setting(32,
+        "Rollouts per optimiser step, mixed across tasks (paper: 32).")
+    micro_batch_size: int = setting(4,
+        "Rollouts per forward/backward pass (at most a minibatch); gradients accumulate.")
+    clip_eps: float = setting(0.1,
+        "Ratio clipped to [1/(1+eps), 1+eps] as in the reference code (paper: [1-eps, 1+eps]).")
+    ratio: str = setting("token",
+        "Importance ratio: token (LOOP, Eq. 5), turn, trajectory, or none (on-policy RLOO).")
+    normalize_rewards: bool = setting(False,
+        "Divide advantages by the group's reward std (the paper's RwNorm variant; off in LOOP).")
+    min_abs_advantage: float = setting(0.01,
+        "Rollouts with |A| below this carry no signal and are dropped.")
+    max_kl: float = setting(20.0,
+        "Abandon the rest of an iteration when |KL estimate| of a minibatch exceeds this.")
+    eval_every: int = setting(10,
+        "Evaluate every this many iterations (and before the first and after the last).")
+    eval: bool = setting(False, "Only evaluate `split`, no training.")
+    batch_episodes: int = setting(256,
+        "Episodes generated together in one batch (per rank); bounds the KV cache.")
+    logprob_chunk: int = setting(512,
+        "Positions per chunk of the update's vocabulary projection: [tokens x vocab] never exists.")
+    fsdp: bool = setting(False,
+        "Shard weights, gradients and optimizer state over the ranks with FSDP2 (under torchrun).")
+    rollout_full_weights: bool = setting(False,
+        "FSDP: gather each layer once per rollout, not per token (costs the full weights per GPU).")
+    bf16: bool = setting(False,
+        "bf16 compute; weights, gradients and optimizer state stay fp32 (a LoRA base stays bf16).")
+    activation_checkpointing: bool = setting(False,
+        "Recompute each decoder layer's activations in backward: long episodes fit in less memory.")
+    lora: bool = setting(False,
+        "Train the paper's LoRA adapter (rank 16, alpha 32, all projections), not all weights.")
+    resume: str = setting("",
+        "Run directory to resume from its last complete checkpoint (its config.json is the base).")
 
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.json")
 AT_LEAST = {"iterations": 0, "rollouts_per_task": 2, "weight_decay": 0, "min_abs_advantage": 0,
@@ -139,14 +127,12 @@ def parse_config(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
     parser.add_argument("--tiny", action="store_true", help="the settings of tiny_config.json")
-    body = ast.parse(inspect.getsource(Config)).body[0].body  # each field, then its docstring
-    for node, doc in zip(body[::2], body[1::2]):
-        name = node.target.id
-        flag = "--" + name.replace("_", "-")
-        if hints[name] is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=doc.value.value)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if hints[f.name] is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=f.metadata["doc"])
         else:
-            parser.add_argument(flag, type=hints[name], help=doc.value.value)
+            parser.add_argument(flag, type=hints[f.name], help=f.metadata["doc"])
     args = parser.parse_args(argv)
     values = {}
     if args.resume and (args.tiny or args.config):

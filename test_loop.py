@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -952,6 +953,31 @@ def test_help_shows_each_settings_docstring(capsys):
         loop.parse_config(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "K: rollouts per task, the leave-one-out group (paper: 6)." in out
+
+
+def test_settings_parse_without_the_source_file(tmp_path):
+    """Under `python -m cProfile` and from a compiled file alone (no loop.py beside it), --help is
+    the same text, and a run under cProfile trains."""
+    import py_compile
+    reference = _cli("--help").stdout
+    assert "K: rollouts per task" in reference
+    profiled = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p"), os.path.join(HERE, "loop.py"),
+                               "--help"],
+                              capture_output=True, text=True, timeout=600)
+    assert profiled.returncode == 0 and profiled.stdout == reference
+    shutil.copytree(os.path.join(HERE, "assets"), tmp_path / "assets")
+    shutil.copy(os.path.join(HERE, "tiny_config.json"), tmp_path)
+    py_compile.compile(os.path.join(HERE, "loop.py"), cfile=str(tmp_path / "loop.pyc"), doraise=True)
+    compiled = subprocess.run([sys.executable, str(tmp_path / "loop.pyc"), "--help"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=600)
+    words = compiled.stdout.replace("loop.pyc", "loop.py").split()  # the usage lines wrap one column later
+    assert compiled.returncode == 0 and words == reference.split()
+    run = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "profile"), os.path.join(HERE, "loop.py"),
+                          "--tiny", "--iterations", "1", "--tasks-per-iteration", "2", "--eval-every", "1",
+                          "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 1] and (tmp_path / "profile").stat().st_size > 0
 
 
 def test_bad_flag_and_missing_model_path(tmp_path, capsys):
