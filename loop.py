@@ -195,9 +195,27 @@ def check_config(cfg):
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 def load_pretrained(cfg):
-    """A Hugging Face model id or a local directory (a finished run's model/ too)."""
+    """A local directory (a finished run's model/ too) or a Hugging Face id: from the local cache
+    when it holds the model (no network), else downloaded."""
+    from huggingface_hub import snapshot_download
+    directory = os.path.expanduser(cfg.model)
+    if os.path.isdir(directory):
+        try:
+            return from_pretrained(directory, cfg)
+        except (OSError, ValueError) as e:
+            die(f"cannot load a model from the directory {cfg.model}: {first_line(e)}")
+    try:  # its folder in the cache: loading it by id would still ask the hub about adapters
+        return from_pretrained(snapshot_download(cfg.model, local_files_only=True), cfg)
+    except Exception:  # noqa: BLE001 - not in the cache, or only part of it: download it
+        pass
+    die_unless_on_the_hub(cfg.model)
+    try:
+        return from_pretrained(cfg.model, cfg)
+    except (OSError, ValueError) as e:  # gated, a broken download, a repository with no model
+        die(f"cannot download model {cfg.model}: {first_line(e)}")
+
+def from_pretrained(path, cfg):
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-    path = os.path.expanduser(cfg.model)
     # A saved tiny tokenizer must load as itself: AutoTokenizer would give it Qwen2's pre-tokenizer
     tokenizer_class = AutoTokenizer
     saved = os.path.join(path, "tokenizer_config.json")
@@ -207,17 +225,30 @@ def load_pretrained(cfg):
                 tokenizer_class = PreTrainedTokenizerFast
     # bf16 on the host halves its memory per rank; full fine-tuning upcasts after sharding
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    try:
-        tok = tokenizer_class.from_pretrained(path, padding_side="left")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError) as e:  # a directory that holds no model, or no such hub id
-        reason = str(e).strip().splitlines()[0]
-        if os.path.isdir(path):
-            die(f"cannot load a model from the directory {cfg.model}: {reason}")
-        die(f"model {cfg.model} does not exist: give a local model directory or a Hugging Face "
-            f"id such as Qwen/Qwen2.5-7B-Instruct ({reason})")
+    tok = tokenizer_class.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tok.pad_token = tok.pad_token or tok.eos_token
     return model, tok
+
+def die_unless_on_the_hub(model):
+    """Why a model that is no directory and not in the local cache cannot be loaded: the hub is
+    asked once (a download retries for half a minute before it says)."""
+    from huggingface_hub import model_info
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+    try:
+        model_info(model, timeout=10)
+    except HFValidationError:  # not of the form name or owner/name
+        die(f"there is no directory {model}: give a model directory or a Hugging Face id")
+    except RepositoryNotFoundError:
+        die(f"model {model} does not exist: it is no directory here and no model on the Hugging "
+            "Face hub (a private one needs `hf auth login`)")
+    except Exception as e:  # noqa: BLE001 - offline, no DNS, a proxy, a timeout: the reason says
+        die(f"model {model} is no directory here and not in the local Hugging Face cache, and "
+            f"the hub cannot be reached ({first_line(e)}): download it where there is internet "
+            f"(`hf download {model}`), or give its directory")
+
+def first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 def load_model_and_tokenizer(cfg, device):
     from transformers import GenerationConfig
@@ -1260,9 +1291,9 @@ def stop_distributed():
     dist.barrier()
     dist.destroy_process_group()
 
-def make_run_dir(cfg):
-    """Rank 0 names the run directory, which every rank shares, and writes config.json there."""
-    rank, world = rank_world()
+def name_run_dir(cfg):
+    """Rank 0 names the run directory, which every rank shares; nothing is written yet."""
+    world = rank_world()[1]
     name = [cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
     if world > 1:
         dist.broadcast_object_list(name)  # ranks that started a second apart share rank 0's
@@ -1270,11 +1301,14 @@ def make_run_dir(cfg):
     if not cfg.resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         die(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
             "or give another --out")
-    if rank == 0:
+    return run_dir
+
+def make_run_dir(run_dir, cfg):
+    """Once the model has loaded, so that a start that fails leaves no run directory behind."""
+    if rank_world()[0] == 0:
         os.makedirs(run_dir, exist_ok=True)
         settings = json.dumps(dataclasses.asdict(cfg) | {"resume": ""}, indent=1)
         write_atomically(os.path.join(run_dir, "config.json"), settings)
-    return run_dir
 
 def main(argv=None):
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
@@ -1284,7 +1318,7 @@ def main(argv=None):
     rank = rank_world()[0]
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                           else "cpu")
-    run_dir = make_run_dir(cfg)
+    run_dir = name_run_dir(cfg)
     metrics = os.path.join(run_dir, "metrics.jsonl")
 
     def log(row):  # rank 0 only; the numbers are already reduced over ranks
@@ -1299,6 +1333,7 @@ def main(argv=None):
     ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
     model, tok = load_model_and_tokenizer(cfg, device)
     chat = Chat(tok, model.generation_config.eos_token_id)
+    make_run_dir(run_dir, cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # FSDP casts by its own mixed-precision policy

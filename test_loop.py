@@ -955,6 +955,60 @@ def test_help_shows_each_settings_docstring(capsys):
     assert "K: rollouts per task, the leave-one-out group (paper: 6)." in out
 
 
+def _hub(status):
+    """A Hugging Face hub on localhost whose every answer is `status` with the hub's error code."""
+    import http.server
+    import threading
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("hub", ["offline", "unreachable", "not_found"])
+def test_a_model_that_cannot_be_loaded_says_why_and_leaves_no_run(tmp_path, hub):
+    """A hub id that is in no local cache: offline and an unreachable hub say so; a hub that answers
+    404 says the model does not exist. No run directory is left behind."""
+    server = _hub(404) if hub == "not_found" else None
+    env = dict(os.environ, HF_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1" if hub == "offline" else "0",
+               HF_ENDPOINT=f"http://127.0.0.1:{server.server_port if server else 1}")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), "--env", "tiny", "--model",
+                        "Qwen/Qwen2.5-0.5B-Instruct", "--eval"], capture_output=True, text=True, cwd=tmp_path,
+                       env=env, timeout=120)
+    if server:
+        server.shutdown()
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
+    if hub == "not_found":
+        assert "model Qwen/Qwen2.5-0.5B-Instruct does not exist" in lines[0]
+    else:
+        assert "not in the local Hugging Face cache, and the hub cannot be reached" in lines[0]
+        assert "does not exist" not in lines[0] and ("HF_HUB_OFFLINE" in lines[0]) == (hub == "offline")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
+    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(SHIPPED, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
+    code = "import loop; m, t = loop.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "598", r.stderr[-1000:]
+    assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
+
+
 def test_settings_parse_without_the_source_file(tmp_path):
     """Under `python -m cProfile` and from a compiled file alone (no loop.py beside it), --help is
     the same text, and a run under cProfile trains."""
@@ -985,7 +1039,7 @@ def test_bad_flag_and_missing_model_path(tmp_path, capsys):
     assert r.returncode == 2 and "--ratio" in r.stderr and "Traceback" not in r.stderr
     code, err = _error(capsys, "--tiny", "--model", str(tmp_path / "no" / "such" / "model"), "--eval",
                        "--out", str(tmp_path / "run"))
-    assert code == 2 and "does not exist" in err
+    assert code == 2 and f"there is no directory {tmp_path / 'no' / 'such' / 'model'}" in err
     code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
     assert code == 2 and "cannot load a model from the directory" in err
 
