@@ -1263,15 +1263,20 @@ CORPUS = [loop.TinyWorld.SYSTEM, *loop.TinyWorld.FAMILIES.values(), "Execution s
           "apis.shop.kofi(item='lena') ordered sent to  12 the system user assistant model"]
 
 
-def family_tokenizer(name):
+def family_tokenizer(name, sentencepiece=False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     f = FAMILIES[name]
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=f["specials"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if sentencepiece:  # a word at the start of a text gets "▁", as after a space
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        alphabet = []
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=f["specials"], initial_alphabet=alphabet)
     backend.train_from_iterator(CORPUS * 3, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=f.get("bos"), eos_token=f["eos"],
                                   chat_template=f["template"], padding_side="left")
@@ -1315,6 +1320,18 @@ def test_chat_follows_the_family_template(name, capsys):
     e, rendered = _episode_and_rendering(chat, REPLIES)
     assert e.ids == rendered  # token for token, every observation where the template puts it
     assert [i for i, out in zip(e.ids, e.is_output) if out].count(chat.eot) == len(REPLIES)
+
+
+@pytest.mark.parametrize("name", ["phi3", "mistral"])
+def test_an_observation_is_tokenized_where_it_stands(name):
+    """With a SentencePiece-style tokenizer an observation tokenized as a text of its own starts
+    with "▁"; in the conversation it follows the end-of-turn token. Its ids are the rendering's."""
+    chat = loop.Chat(*family_tokenizer(name, sentencepiece=True))
+    for observation in OBSERVATIONS:
+        conversation = [{"role": "user", "content": "task"}, {"role": "assistant", "content": REPLIES[0]},
+                        {"role": "user", "content": observation}]
+        rendered, ids = chat.encode(chat.render(conversation)), chat.observation(observation)
+        assert rendered[-len(ids) - 1] == chat.eot and rendered[-len(ids):] == ids  # right after the reply
 
 
 def test_qwen3_episode_keeps_the_thinking_its_template_drops():
