@@ -8,9 +8,6 @@ no reference model, one copy of the LLM.
 
     python loop.py --tiny                      # a tiny model in a tiny world, minutes on a CPU
     python loop.py --eval --split test --tiny  # TGC/SGC only
-
---tiny starts from the tiny instruct model in assets/tiny-model, which tools/make_tiny_model.py
-makes; tools/bench.py measures this file's memory and speed; tools/ablation.py runs Table 1.
 """
 import argparse
 import atexit
@@ -38,7 +35,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 
-# ----------------------------------------------------------------------------------------------
 # 1. Settings
 def setting(default, doc):
     """A field with its one-line help kept at run time (--help needs no source file)."""
@@ -51,8 +47,7 @@ class Config:
     model: str = setting("Qwen/Qwen2.5-32B-Instruct",
         "Hugging Face model id or local directory (in a config file: beside the file first).")
     seed: int = setting(0, "Seed for Python, torch and task sampling.")
-    out: str = setting("",
-        "Run directory for metrics.jsonl, transcripts and weights (default runs/<time>).")
+    out: str = setting("", "Run directory of metrics, transcripts, weights (default runs/<time>).")
     iterations: int = setting(200,
         "Training iterations (reference code: 200); 0 = evaluate and save the model only.")
     tasks_per_iteration: int = setting(40, "N: tasks sampled per iteration (paper: 40).")
@@ -64,10 +59,8 @@ class Config:
     max_new_tokens: int = setting(1500, "Tokens the policy may sample per turn (paper: 1500).")
     max_context: int = setting(32768,
         "Episode length cap in tokens; the episode ends when the next turn would not fit.")
-    max_obs_tokens: int = setting(3000,
-        "Environment outputs longer than this are cut, with a note saying so.")
-    code_timeout: float = setting(30.0,
-        "Seconds the agent's code may run per turn before it is stopped.")
+    max_obs_tokens: int = setting(3000, "Observations are cut at this many tokens, with a note.")
+    code_timeout: float = setting(30.0, "Seconds the agent's code may run per turn.")
     temperature: float = setting(1.0,
         "Sampling temperature for training rollouts; log-probs are scored at the same one.")
     eval_temperature: float = setting(0.0, "Sampling temperature for evaluation (0 = greedy).")
@@ -75,8 +68,7 @@ class Config:
     weight_decay: float = setting(0.01, "AdamW weight decay (reference code: 0.01).")
     grad_clip: float = setting(1.0, "Gradient-norm clip (paper: 1.0; reference code: 0.1).")
     epochs: int = setting(2, "Passes over an iteration's rollouts (paper: 2).")
-    minibatch_size: int = setting(32,
-        "Rollouts per optimiser step, mixed across tasks (paper: 32).")
+    minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32).")
     micro_batch_size: int = setting(4,
         "Rollouts per forward/backward pass (at most a minibatch); gradients accumulate.")
     clip_eps: float = setting(0.1,
@@ -85,8 +77,7 @@ class Config:
         "Importance ratio: token (LOOP, Eq. 5), turn, trajectory, or none (on-policy RLOO).")
     normalize_rewards: bool = setting(False,
         "Divide advantages by the group's reward std (the paper's RwNorm variant; off in LOOP).")
-    min_abs_advantage: float = setting(0.01,
-        "Rollouts with |A| below this carry no signal and are dropped.")
+    min_abs_advantage: float = setting(0.01, "Rollouts with |A| below this are dropped: no signal.")
     max_kl: float = setting(20.0,
         "Abandon the rest of an iteration when |KL estimate| of a minibatch exceeds this.")
     eval_every: int = setting(10,
@@ -109,7 +100,8 @@ class Config:
     resume: str = setting("",
         "Run directory to resume from its last complete checkpoint (its config.json is the base).")
 
-TINY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.json")
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_CONFIG = os.path.join(HERE, "tiny_config.json")
 AT_LEAST = {"iterations": 0, "rollouts_per_task": 2, "weight_decay": 0, "min_abs_advantage": 0,
             "eval_temperature": 0}
 """The lowest value of the numeric settings that may reach it; all others but seed must be > 0."""
@@ -190,7 +182,6 @@ def check_config(cfg):
             die(f"{flag} must be {'>= 1' if f.type is int else '> 0'}, got {value}")
 
 
-# ----------------------------------------------------------------------------------------------
 # 2. Model and tokenizer
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -198,21 +189,16 @@ def load_pretrained(cfg):
     """A local directory (a finished run's model/ too) or a Hugging Face id: from the local cache
     when it holds the model (no network), else downloaded."""
     from huggingface_hub import snapshot_download
-    directory = os.path.expanduser(cfg.model)
-    if os.path.isdir(directory):
-        try:
-            return from_pretrained(directory, cfg)
-        except (OSError, ValueError) as e:
-            die(f"cannot load a model from the directory {cfg.model}: {first_line(e)}")
-    try:  # its folder in the cache: loading it by id would still ask the hub about adapters
-        return from_pretrained(snapshot_download(cfg.model, local_files_only=True), cfg)
-    except Exception:  # noqa: BLE001 - not in the cache, or only part of it: download it
-        pass
-    die_unless_on_the_hub(cfg.model)
+    path = os.path.expanduser(cfg.model)
+    if not os.path.isdir(path):
+        try:  # its folder in the cache: loading it by id would still ask the hub about adapters
+            return from_pretrained(snapshot_download(cfg.model, local_files_only=True), cfg)
+        except Exception:  # noqa: BLE001 - not in the cache, or only part of it: download it
+            die_unless_on_the_hub(cfg.model)
     try:
-        return from_pretrained(cfg.model, cfg)
-    except (OSError, ValueError) as e:  # gated, a broken download, a repository with no model
-        die(f"cannot download model {cfg.model}: {first_line(e)}")
+        return from_pretrained(path, cfg)
+    except (OSError, ValueError) as e:  # a directory with no model, a gated or broken download
+        die(f"cannot load model {cfg.model}: {first_line(e)}")
 
 def from_pretrained(path, cfg):
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -231,8 +217,7 @@ def from_pretrained(path, cfg):
     return model, tok
 
 def die_unless_on_the_hub(model):
-    """Why a model that is no directory and not in the local cache cannot be loaded: the hub is
-    asked once (a download retries for half a minute before it says)."""
+    """Why a model not in the local cache cannot be loaded: the hub is asked once (no retries)."""
     from huggingface_hub import model_info
     from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
     try:
@@ -326,10 +311,9 @@ def mean(values):
     return sum(values) / len(values) if values else 0.0
 
 class Chat:
-    """Token bookkeeping for the model's own chat template. An episode is never re-templated: it
-    is the prompt, then the ids actually sampled, then each environment message as the template
-    renders it between two turns, so that wherever the template is append-only the episode is,
-    token for token, the template's rendering of the same conversation."""
+    """Token bookkeeping for the model's own chat template (docs/chat-models.md). An episode is
+    never re-templated: the prompt, the ids actually sampled, each observation as the template
+    renders it; where the template is append-only, that is the rendering, token for token."""
 
     REPLY, OBSERVATION = "\x00REPLY\x00", "\x00OBSERVATION\x00"
 
@@ -351,27 +335,23 @@ class Chat:
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
         self.stop_ids = sorted({self.eot, tok.eos_token_id, *eos_ids} - {None})
 
-    def render(self, messages, add_generation_prompt=True):
+    def render(self, messages):
         if self.fold_system and messages[0]["role"] == "system":
             system, user, *rest = messages
             user = dict(user, content=system["content"] + "\n\n" + user["content"])
             messages = [user, *rest]
-        return self.tok.apply_chat_template(messages, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def between_turns(self, observation):
-        """The template's text from the end of an assistant reply to the next generation, with
-        the observation as the user's message in between."""
-        probe = [{"role": "user", "content": "task"},
-                 {"role": "assistant", "content": self.REPLY},
+        """The template's text from an assistant reply's end, via `observation`, to a generation."""
+        probe = [{"role": "user", "content": "task"}, {"role": "assistant", "content": self.REPLY},
                  {"role": "user", "content": observation}]
         text = self.render(probe)
         return text[text.index(self.REPLY) + len(self.REPLY):]
 
     def turn_end(self):
-        """The end-of-turn token is the first special token the template writes after a reply
-        (<|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, </s>); then the text before and after
-        an observation."""
+        """The first special token the template writes after a reply (<|im_end|>, <|eot_id|>,
+        <end_of_turn>, <|end|>, </s>), then the text before and after an observation."""
         after = self.between_turns(self.OBSERVATION)
         reply_end = after.split(self.OBSERVATION)[0]
         found = [(reply_end.find(s), s) for s in self.specials if s in reply_end]
@@ -390,9 +370,8 @@ class Chat:
         return self.encode(self.render(messages))
 
     def observation(self, text):
-        """An environment reply as the template renders it between turns (Llama's and Gemma's
-        `trim` included), tokenized after the end-of-turn token, where it stands in the whole
-        conversation: BPE merges the template's text around it (`[INST] `) with its words."""
+        """As the template renders it (`trim` too), tokenized where it stands, after the turn's end:
+        BPE merges the template's text around it (`[INST] `) with its first word."""
         after = self.between_turns(text)
         at = after.index(self.eot_text)
         rendered = after[at + len(self.eot_text) + len(self.pre):len(after) - len(self.post)]
@@ -416,14 +395,10 @@ class Chat:
         cut = max(head.rfind("\n"), head.rfind(" "))  # at a line or word boundary
         if cut > 0:
             head = head[:cut]
-        if start + 1000 >= len(text):  # all of it was tokenized
-            note = f"{len(ids)} tokens, showing the first {max_tokens}"
-        else:
-            note = f"{len(text)} characters, showing the first {max_tokens} tokens"
+        note = f"{len(text)} characters, showing the first {max_tokens} tokens"
         return head + f"\n[output truncated: {note}]"
 
 
-# ----------------------------------------------------------------------------------------------
 # 3. Environments. Fork here for a new environment: a class made as Env(task_id, timeout,
 #    experiment) with tasks(split) -> ids "<scenario>_<n>", messages(), step(code) -> observation,
 #    `done`, and evaluate() -> (tests passed, tests total), or None when the world itself failed.
@@ -474,13 +449,9 @@ def run_code(code, namespace, timeout, max_chars=20000):
         sys.settrace(previous)
     return ("".join(output) + status).strip() or "Execution successful."
 
-def word_pool():
-    """Names and product titles: two syllables each (kofi, lena, ...)."""
-    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
-    words = [a + b for a in syllables for b in syllables]
-    return random.Random(0).sample(words, 560)
-
-WORDS = word_pool()
+SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+WORDS = random.Random(0).sample([a + b for a in SYLLABLES for b in SYLLABLES], 560)  # kofi, lena
+"""Names and product titles: two syllables each."""
 NUMBERS = [str(n) for n in random.Random(1).sample(range(10, 100), 90)]
 # Tasks draw their people, items, API names, amounts and extensions from the first part of each
 # pool; the tiny model's warm-up (tools/make_tiny_model.py) saw only the rest.
@@ -606,32 +577,8 @@ class TinyWorld:
             checks = [self.answer in self.phones.values(), self.answer == self.phones[last]]
         return sum(checks) + self.done, len(checks) + 1
 
-APPWORLD_PROMPT = """You are an AI assistant who acts for your supervisor by operating their apps. \
-You work in a Python REPL: every reply of yours is code in ```python blocks, which runs, and its \
-output comes back to you. The apps are reached through `apis.<app_name>.<api_name>(...)`.
-- Discover what exists with apis.api_docs.show_app_descriptions(), \
-apis.api_docs.show_api_descriptions(app_name=...) and \
-apis.api_docs.show_api_doc(app_name=..., api_name=...).
-- Account credentials: apis.supervisor.show_account_passwords(); the supervisor's details: \
-apis.supervisor.show_profile().
-- Print what you need to see; look before you act; do one small step per reply.
-- When the task is done, call apis.supervisor.complete_task(answer=...) with the answer if the \
-task asks a question, else apis.supervisor.complete_task().
-
-Example. Task: How many notes do I have in Simple Note?
-```python
-print(apis.api_docs.show_api_descriptions(app_name="simple_note"))
-```
-Output: [{"name": "login", ...}, {"name": "search_notes", ...}, ...]
-```python
-passwords = {p["account_name"]: p["password"] for p in apis.supervisor.show_account_passwords()}
-email = apis.supervisor.show_profile()["email"]
-token = apis.simple_note.login(username=email, password=passwords["simple_note"])["access_token"]
-notes, page = [], 0
-while batch := apis.simple_note.search_notes(access_token=token, page_index=page):
-    notes, page = notes + batch, page + 1
-apis.supervisor.complete_task(answer=len(notes))
-```"""
+APPWORLD_PROMPT = os.path.join(HERE, "assets", "appworld_prompt.txt")
+"""The agent's system prompt: ours, in the spirit of AppWorld's ReAct prompt, one worked example."""
 
 def appworld_worker(conn):
     """A process that serves one AppWorld world at a time (AppWorld allows one per process), task
@@ -743,7 +690,9 @@ class AppWorldEnv:
         instruction, name, email, phone, date = self.info
         me = f"My name is {name}, email {email}, phone {phone}."
         task = f"Date: {date}\n{me}\nTask: {instruction}"
-        return [{"role": "system", "content": APPWORLD_PROMPT}, {"role": "user", "content": task}]
+        with open(APPWORLD_PROMPT) as fh:
+            prompt = fh.read().strip()
+        return [{"role": "system", "content": prompt}, {"role": "user", "content": task}]
 
     def step(self, code):
         reply = None if self.failed else self.call(("execute", code), wait=self.timeout + 60)
@@ -761,7 +710,6 @@ class AppWorldEnv:
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 
 
-# ----------------------------------------------------------------------------------------------
 # 4. Rollouts: the POMDP of paper §4.1. One token sequence per episode; `is_output` marks the
 #    tokens the policy sampled (its actions, stop token included), everything else is context.
 @dataclass(eq=False)
@@ -937,7 +885,6 @@ def observe(e, output, last_turn, chat, cfg):
             e.done = True
 
 
-# ----------------------------------------------------------------------------------------------
 # 5. Leave-one-out advantages (Eq. 3)
 def loo_advantages(rewards, normalize=False, valid=None):
     """rewards [N, K] -> A_k = R_k - mean_{i!=k} R_i = K/(K-1) (R_k - mean R), no std division.
@@ -954,7 +901,6 @@ def loo_advantages(rewards, normalize=False, valid=None):
     return torch.where(valid & (k >= 2), adv, math.nan)
 
 
-# ----------------------------------------------------------------------------------------------
 # 6. The clipped objective (Eq. 5) and its per-turn / per-trajectory / on-policy variants
 def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
     """Per-rollout loss (to minimise) and number of clipped tokens.
@@ -980,7 +926,6 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
     return -(objective * mask).sum(1) / n, n_clipped
 
 
-# ----------------------------------------------------------------------------------------------
 # 7. The training step
 EMPTY = Episode("", None, [0, 0], [False, False], [-1, -1], [])  # no output tokens: zero loss
 
@@ -1100,7 +1045,6 @@ def update(model, opt, episodes, advantages, cfg):
     return stats
 
 
-# ----------------------------------------------------------------------------------------------
 # 8. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
 def goal_completion(results):
     """results: (task_id, success, reward) per task, a task's scenario being its id up to "_"."""
@@ -1144,7 +1088,6 @@ def write_transcripts(folder, name, episodes):
             fh.write("".join(f"--- {m['role']}\n{m['content']}\n" for m in e.transcript) + "\n")
 
 
-# ----------------------------------------------------------------------------------------------
 # 9. Checkpoints: trainable weights (the adapter with LoRA) and optimizer state by name through
 #    torch.distributed.checkpoint, one shard per rank, loadable by any number of ranks
 def train_state(model, opt, optimizer):
@@ -1229,7 +1172,6 @@ def write_atomically(path, text):
     os.replace(path + ".tmp", path)
 
 
-# ----------------------------------------------------------------------------------------------
 # 10. Main: iterations of rollouts -> advantages -> update
 def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     """N tasks x K rollouts -> leave-one-out advantages -> PPO epochs; returns the metrics row."""
@@ -1304,7 +1246,6 @@ def name_run_dir(cfg):
     return run_dir
 
 def make_run_dir(run_dir, cfg):
-    """Once the model has loaded, so that a start that fails leaves no run directory behind."""
     if rank_world()[0] == 0:
         os.makedirs(run_dir, exist_ok=True)
         settings = json.dumps(dataclasses.asdict(cfg) | {"resume": ""}, indent=1)
@@ -1333,7 +1274,7 @@ def main(argv=None):
     ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
     model, tok = load_model_and_tokenizer(cfg, device)
     chat = Chat(tok, model.generation_config.eos_token_id)
-    make_run_dir(run_dir, cfg)
+    make_run_dir(run_dir, cfg)  # only now: a start that failed leaves no run directory behind
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # FSDP casts by its own mixed-precision policy
