@@ -42,8 +42,7 @@ def setting(default, doc):
 
 @dataclass
 class Config:
-    env: str = setting("appworld",
-        "Environment: appworld (the real AppWorld) or tiny (an offline miniature of it).")
+    env: str = setting("appworld", "appworld, or tiny: an offline miniature of AppWorld.")
     model: str = setting("Qwen/Qwen2.5-32B-Instruct",
         "Hugging Face model id or local directory (in a config file: beside the file first).")
     seed: int = setting(0, "Seed for Python, torch and task sampling.")
@@ -328,8 +327,9 @@ class Chat:
             self.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         except TemplateError:  # Gemma 2: "System role not supported"
             self.fold_system = True
-            print("note: the chat template rejects a system message: its text starts the first "
-                  "user message", file=sys.stderr)
+            if rank_world()[0] == 0:  # once a run
+                print("note: the chat template rejects a system message: its text starts the "
+                      "first user message", file=sys.stderr)
         self.eot_text, self.pre, self.post = self.turn_end()
         self.eot = tok.convert_tokens_to_ids(self.eot_text)
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])

@@ -28,7 +28,7 @@ def main(argv):
     cfg = loop.parse_config(["--tiny", "--env", "appworld", "--max-new-tokens", "4",
                              "--max-context", "4096"])
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
-    chat = loop.Chat(tok)
+    chat = loop.Chat(tok, model.generation_config.eos_token_id)
     tasks = loop.AppWorldEnv.tasks(args.split)
     tasks = [tasks[i % len(tasks)] for i in range(args.episodes)]
     generate = loop.generate

@@ -76,7 +76,7 @@ def training_workloads(cfg, device):
     """A LOOP update and a plain fine-tuning step on the same 8 rollouts of 512 tokens (4 turns:
     64 context tokens, then 64 sampled ones), and the model and chat they use."""
     model, tok = loop.load_model_and_tokenizer(cfg, device)
-    chat = loop.Chat(tok)
+    chat = loop.Chat(tok, model.generation_config.eos_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     is_output = [t % 128 >= 64 for t in range(512)]
     turn = [t // 128 if o else -1 for t, o in enumerate(is_output)]
