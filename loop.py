@@ -192,7 +192,7 @@ def load_pretrained(cfg):
     if not os.path.isdir(path):
         try:  # its folder in the cache: loading it by id would still ask the hub about adapters
             return from_pretrained(snapshot_download(cfg.model, local_files_only=True), cfg)
-        except Exception:  # noqa: BLE001 - not in the cache, or only part of it: download it
+        except (OSError, ValueError):  # not in the cache, or only part of it: download it
             die_unless_on_the_hub(cfg.model)
     try:
         return from_pretrained(path, cfg)

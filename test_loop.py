@@ -876,9 +876,9 @@ def test_splits_are_scenarios_of_three_and_disjoint():
 
 
 # ---------------------------------------------------------------- config and CLI
-def _cli(*args, cwd=HERE):
+def _cli(*args, cwd=HERE, env=None, timeout=600):
     return subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=600)
+                          cwd=cwd, env=env, timeout=timeout)
 
 
 def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
@@ -982,9 +982,7 @@ def test_a_model_that_cannot_be_loaded_says_why_and_leaves_no_run(tmp_path, hub)
     server = _hub(404) if hub == "not_found" else None
     env = dict(os.environ, HF_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1" if hub == "offline" else "0",
                HF_ENDPOINT=f"http://127.0.0.1:{server.server_port if server else 1}")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), "--env", "tiny", "--model",
-                        "Qwen/Qwen2.5-0.5B-Instruct", "--eval"], capture_output=True, text=True, cwd=tmp_path,
-                       env=env, timeout=120)
+    r = _cli("--env", "tiny", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--eval", cwd=tmp_path, env=env, timeout=120)
     if server:
         server.shutdown()
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
