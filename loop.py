@@ -249,6 +249,11 @@ def load_model_and_tokenizer(cfg, device):
         from peft import LoraConfig, get_peft_model
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
         model = get_peft_model(model, lora)
+        # the saved adapter names its base as the user gave it (a cache folder or a relative
+        # path would not load elsewhere): the hub id, or the directory's absolute path
+        path = os.path.expanduser(cfg.model)
+        base = os.path.abspath(path) if os.path.isdir(path) else cfg.model
+        model.peft_config["default"].base_model_name_or_path = base
     if cfg.fsdp:
         shard(model, cfg, layer_names)
     model = model.to(device)
@@ -273,6 +278,7 @@ def chunked_logprob_head(head, chunk):
     It runs inside the model's forward so that FSDP has the head's weights gathered."""
     head.targets = None
     head.temperature = 1.0
+    head.softcap = None
     head.chunk = chunk
     head.forward = types.MethodType(logprob_head_forward, head)  # a bound method survives deepcopy
 
@@ -285,12 +291,14 @@ def logprob_head_forward(self, hidden):
     for s in range(0, len(targets), self.chunk):
         piece = torch.utils.checkpoint.checkpoint(
             logprob_piece, hidden[s:s + self.chunk], self.weight, self.bias,
-            targets[s:s + self.chunk], self.temperature, use_reentrant=False)
+            targets[s:s + self.chunk], self.temperature, self.softcap, use_reentrant=False)
         pieces.append(piece)
     return torch.cat(pieces).view(self.targets.shape)
 
-def logprob_piece(hidden, weight, bias, targets, temperature):
+def logprob_piece(hidden, weight, bias, targets, temperature, softcap):
     logits = F.linear(hidden, weight, bias).float()
+    if softcap:  # Gemma 2's cap on the logits that generation samples from
+        logits = softcap * torch.tanh(logits / softcap)
     logits.div_(temperature)  # in place: one [chunk x vocab] tensor less
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
@@ -403,7 +411,12 @@ class Chat:
 #    experiment) with tasks(split) -> ids "<scenario>_<n>", messages(), step(code) -> observation,
 #    `done`, and evaluate() -> (tests passed, tests total), or None when the world itself failed.
 def extract_code(text):
-    """All ```python / ```py blocks joined; an unterminated last block counts; no block -> ""."""
+    """All ```python / ```py blocks joined; an unterminated last block counts; no block -> "".
+    A reasoning model's drafts do not run: only the text after its reasoning block counts."""
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    elif "<think>" in text:  # reasoning cut off by the token limit: no answer yet
+        text = text.split("<think>", 1)[0]
     blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
     return "\n".join(b.rstrip() for b in blocks)
 
@@ -738,22 +751,41 @@ def new_episode(env, task_id, chat):
 
 class Carry:
     """A wave's KV cache, carried across its turns so that every token goes through the model
-    once. Row i (the wave's i-th live episode) holds the first fed[i] ids of its episode; `mask`
-    marks which cached positions are real (0: padding, or tokens sampled after a stop token)."""
+    about once. Row i (the wave's i-th live episode) holds the first fed[i] ids of its episode;
+    `mask` marks the cached columns that hold them (0: padding, tokens sampled after a stop)."""
 
-    def __init__(self):
+    def __init__(self, windowed):
         from transformers import DynamicCache
         self.kv = DynamicCache()
         self.mask = None
         self.fed = []
+        self.windowed = windowed
 
-    def keep(self, rows):
-        """Only these rows stay: the episodes that ended leave the cache."""
-        if self.mask is not None and len(rows) < len(self.fed):
-            index = torch.tensor(rows, device=self.mask.device)
-            self.kv.batch_select_indices(index)
-            self.mask = self.mask[index]
-            self.fed = [self.fed[i] for i in rows]
+    def keep(self, rows, lengths):
+        """Lay the cache out anew for the next turn of the episodes in `rows` (now `lengths` ids
+        long): each one's cached tokens in order, padding only in front. Gone are the episodes that
+        ended, the padding and post-stop tokens of earlier turns, and the columns that generate
+        wrote past what it returned (synced_gpus: a rank that is done joins the others' passes).
+        A sliding window counts columns, not tokens, so for a windowed model every row is fed as
+        many ids as the widest new segment, recomputing some it had cached: no padding lies
+        between a row's tokens then either (full attention is blind to that padding)."""
+        if self.mask is None:
+            return
+        fed = [self.fed[i] for i in rows]
+        if self.windowed:
+            widest = max(n - f for n, f in zip(lengths, fed))
+            fed = [max(0, n - widest) for n in lengths]
+        width, old = max(fed), self.mask
+        columns = torch.zeros(len(rows), width, dtype=torch.long, device=old.device)
+        self.mask = torch.zeros_like(columns)
+        for j, (i, n) in enumerate(zip(rows, fed)):
+            columns[j, width - n:] = old[i].nonzero().squeeze(1)[:n]  # its tokens' columns
+            self.mask[j, width - n:] = 1
+        index = torch.tensor(rows, device=old.device)[:, None]
+        for layer in self.kv.layers:  # [rows, heads, columns, dim]
+            layer.keys = layer.keys[index, :, columns].transpose(1, 2)
+            layer.values = layer.values[index, :, columns].transpose(1, 2)
+        self.fed = fed
 
 @torch.no_grad()
 def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
@@ -782,7 +814,7 @@ def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
                          cache=carry.kv if carry else None,
                          synced_gpus=dist.is_initialized())
     rows = [cut_after_stop(row, chat.stop_ids) for row in out[:, ids.shape[1]:].tolist()]
-    if carry:  # the cache now holds every column but the last one sampled
+    if carry:  # the cache holds every column but the last one sampled (and strays keep() drops)
         n = out.shape[1] - ids.shape[1]
         sampled = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows], device=device)
         carry.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
@@ -795,13 +827,13 @@ def cut_after_stop(ids, stop_ids):
             return ids[:i + 1]
     return ids
 
-def turns(episodes, cfg, carry_cache):
+def turns(episodes, cfg, carry_cache, windowed):
     """The rollout's turns, one at a time: (live episodes, turn index, their wave's carry). A wave
     of up to batch_episodes episodes plays to its end before the next starts, so one wave's KV
     cache exists at a time."""
     for start in range(0, len(episodes), cfg.batch_episodes):
         wave = episodes[start:start + cfg.batch_episodes]
-        carry = Carry() if carry_cache else None
+        carry = Carry(windowed) if carry_cache else None
         rows = wave
         for turn in itertools.count():
             for e in wave:
@@ -810,7 +842,8 @@ def turns(episodes, cfg, carry_cache):
             if not live:
                 break
             if carry:
-                carry.keep([i for i, e in enumerate(rows) if not e.done])
+                kept = [i for i, e in enumerate(rows) if not e.done]
+                carry.keep(kept, [len(e.ids) for e in live])
             rows = live
             yield live, turn, carry
 
@@ -821,7 +854,7 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     sequences. carry_cache=False re-prefills every turn (a reference for tests and tools/)."""
     model.eval()
     episodes = [new_episode(env, task_id, chat) for env, task_id in zip(envs, task_ids)]
-    steps = turns(episodes, cfg, carry_cache)
+    steps = turns(episodes, cfg, carry_cache, has_window(model))
     bar = tqdm(desc=desc, leave=False, disable=True if rank_world()[0] else None)
     layers = sharded_layers(model) if cfg.rollout_full_weights else []
     for layer in layers:  # gathered by its first forward, kept until the rollout ends
@@ -850,6 +883,13 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
         e.reward = passed / total
         e.success = passed == total
     return episodes
+
+def has_window(model):
+    """Whether a layer attends to a window of cache columns only (the local layers of Gemma 2 and
+    3, Phi-3-mini's 2,047, Mistral v0.1's 4,096; Llama 4's chunks)."""
+    config = model.config.get_text_config()
+    return bool(getattr(config, "sliding_window", None)
+                or getattr(config, "attention_chunk_size", None))
 
 def sharded_layers(model):
     """The FSDP modules but the root, which FSDP keeps gathered after its forward anyway."""
@@ -914,15 +954,20 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
         return -(adv * (logp * mask).sum(1) / n), torch.zeros((), device=logp.device)
     log_r = (logp - old_logp) * mask
     if ratio == "turn":  # one ratio per assistant turn, shared by that turn's tokens
-        onehot = F.one_hot(turn.clamp(min=0), int(turn.max()) + 1) * mask[..., None]
+        turns = int(turn.max().clamp(min=0)) + 1  # (an empty pass has no turn at all)
+        onehot = F.one_hot(turn.clamp(min=0), turns) * mask[..., None]
         per_turn = torch.einsum("bt,btj->bj", log_r, onehot)
         log_r = torch.einsum("bj,btj->bt", per_turn, onehot)
     elif ratio == "trajectory":  # one ratio per rollout: prod_t r_t
         log_r = log_r.sum(1, keepdim=True).expand_as(mask)
-    r = torch.exp(log_r)
+    # With A > 0 the clip decides above 1 + eps (no gradient), so log r is bounded there first:
+    # the same objective and gradient, but a summed log-ratio over 88 no longer overflows exp to
+    # inf, whose 0 x inf in backward would be a NaN gradient under a finite loss
+    over = (a > 0) & (log_r > math.log(1 + eps))
+    r = torch.exp(torch.where(a > 0, log_r.clamp(max=math.log(1 + eps)), log_r))
     clipped = torch.clamp(r, 1 / (1 + eps), 1 + eps)
     objective = torch.minimum(r * a, clipped * a)  # Eq. 5
-    n_clipped = (((clipped * a) < (r * a)) & mask.bool()).sum()
+    n_clipped = ((over | ((clipped * a) < (r * a))) & mask.bool()).sum()
     return -(objective * mask).sum(1) / n, n_clipped
 
 
@@ -944,10 +989,17 @@ def token_logprobs(model, ids, attn, temperature):
     head = model.get_output_embeddings()
     head.targets = ids[:, 1:]
     head.temperature = max(temperature, 1e-6)
+    # forward would cap what the head returns, log p: the head caps the logits instead
+    config = model.config.get_text_config()
+    head.softcap = getattr(config, "final_logit_softcapping", None)
+    if head.softcap:
+        config.final_logit_softcapping = None
     try:
         return model(input_ids=ids, attention_mask=attn, use_cache=False).logits
     finally:
         head.targets = None
+        if head.softcap:
+            config.final_logit_softcapping = head.softcap
 
 def micro_batches(indices, sizes, size):
     """This rank's `indices` in slices of `size`, as many as the rank with the most (`sizes`: the
@@ -1025,13 +1077,14 @@ def update(model, opt, episodes, advantages, cfg):
                 opt.zero_grad(set_to_none=True)
                 stats["abandoned"] = True
                 break
-            if not math.isfinite(loss_sum):
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the same on every rank
+                norm = norm.full_tensor()
+            # nothing not finite moves a weight (a finite loss can have a NaN gradient: 0 x inf)
+            if not math.isfinite(loss_sum) or not math.isfinite(norm.item()):
                 opt.zero_grad(set_to_none=True)
                 stats["skipped_nan"] += 1
                 continue
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
-                norm = norm.full_tensor()
             norms.append(norm.item())
             opt.step()
             stats["steps"] += 1

@@ -1784,6 +1784,174 @@ def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
     assert head(h).shape == (2, 8, 50)  # without targets it is the plain head (generation)
 
 
+# ---------------------------------------------------------------- sampling = scoring, every family
+SAMPLING_TOLERANCE = 2e-5  # nats, fp32 on a CPU: kernel numerics (measured: at most 1.5e-6)
+WINDOW = 24  # tokens: shorter than every episode below, so a sliding window always bites
+ARCHITECTURES = {  # chat family (its tokenizer and template), config class, what makes it differ
+    "qwen2": ("qwen2.5", "Qwen2Config", {}),
+    "llama": ("llama3.1", "LlamaConfig", {}),
+    "gemma2": ("gemma2", "Gemma2Config", {"sliding_window": WINDOW, "final_logit_softcapping": 5.0,
+                                          "initializer_range": 0.2}),  # large logits: the cap bites
+    "gemma3": ("gemma3", "Gemma3TextConfig", {"sliding_window": WINDOW,
+                                              "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("phi3", "Phi3Config", {"sliding_window": WINDOW}),
+    "mistral": ("mistral", "MistralConfig", {"sliding_window": WINDOW}),
+}
+
+
+def make_family_model(name, folder):
+    """A random tiny model of architecture `name` with its family's tokenizer, saved as a model
+    directory that loop.py loads like any other."""
+    import transformers
+    family, config_class, extra = ARCHITECTURES[name]
+    tok, generation_eos = family_tokenizer(family)
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+        pad_token_id=tok.pad_token_id or 0, bos_token_id=tok.bos_token_id, eos_token_id=generation_eos, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.generation_config = transformers.GenerationConfig(eos_token_id=generation_eos)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+class _Uneven:
+    """Ends after `turns` turns; its prompt and observations are as long as `words` says, and the
+    observations change length from turn to turn: the rows of a wave differ in length every turn."""
+    def __init__(self, turns, words):
+        self.turns, self.words, self.done = turns, words, False
+
+    def messages(self):
+        return [{"role": "system", "content": "Reply."}, {"role": "user", "content": "wait " * self.words}]
+
+    def step(self, code):
+        self.turns -= 1
+        self.done = self.turns == 0
+        return "ok " * (self.words * (1 + self.turns % 3))
+
+    def evaluate(self):
+        return 1, 1
+
+
+def sampled_and_scored(model, chat, envs, cfg):
+    """Plays `envs` at temperature 1 as training does (carried cache, waves); returns, per turn of
+    each episode, the log-probs generation computed for its sampled tokens and the ones
+    token_logprobs gives them on the finished episode (what the update scores), and counts of
+    the calls whose rows differed in length and of the rows that stopped early."""
+    calls, generate, original = [], loop.generate, model.generate
+
+    def recording(model_, chat_, prompts, *args):
+        calls.append([(id(p), len(p)) for p in prompts])  # the dummy of an idle rank matches none
+        return generate(model_, chat_, prompts, *args)
+
+    def with_scores(**kwargs):
+        kwargs["generation_config"].update(output_scores=True, return_dict_in_generate=True)
+        out = original(**kwargs)
+        calls[-1] = (calls[-1], torch.log_softmax(torch.stack(out.scores, 1).float(), -1))
+        return out.sequences
+    loop.generate, model.generate = recording, with_scores
+    try:
+        episodes = loop.rollout(model, chat, envs, ["x"] * len(envs), cfg, 1.0, 8)
+    finally:
+        loop.generate = generate
+        del model.generate
+    ids, attn, _, _ = loop.pad_batch(episodes, "cpu")
+    with torch.no_grad():
+        scored = loop.token_logprobs(model, ids, attn, 1.0)
+    row_of = {id(e.ids): i for i, e in enumerate(episodes)}
+    pairs, unequal, early = [], 0, 0
+    for rows, logp in calls:
+        unequal += len({n for key, n in rows if key in row_of}) > 1
+        for r, (key, start) in enumerate(rows):
+            if key not in row_of:
+                continue
+            e = episodes[row_of[key]]
+            n = e.turn.count(e.turn[start])  # the tokens this call sampled for this episode
+            tokens = torch.tensor(e.ids[start:start + n])
+            sampled = logp[r, :n].gather(-1, tokens[:, None]).squeeze(-1)
+            pairs.append((sampled, scored[row_of[key], start - 1:start - 1 + n]))
+            early += n < logp.shape[1]
+    return episodes, pairs, unequal, early
+
+
+def _frequent_stops(chat, share, seed):
+    """More stop ids: turns end at many lengths (a random model seldom samples its real ones)."""
+    others = [t for t in range(len(chat.tok)) if t not in chat.stop_ids]
+    return chat.stop_ids + random.Random(seed).sample(others, int(share * len(others)))
+
+
+def _check_sampling_is_scoring(pairs, tolerance=SAMPLING_TOLERANCE):
+    worst = max((a - b).abs().max().item() for a, b in pairs)
+    assert worst < tolerance, f"a sampled token's log-prob differs by {worst:.3g} nats"
+    return worst
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_what_generation_sampled_is_what_the_update_scores(name, tmp_path):
+    """Every family, sliding windows shorter than the episodes, Gemma 2's softcap: 5 episodes of 4
+    to 6 turns at T = 1 in waves of 3, rows of unequal length, turns that stop early. Each sampled
+    token's log-prob as generation computed it (with the carried cache) is what token_logprobs
+    gives the finished episode."""
+    cfg = loop.parse_config(["--env", "tiny", "--model", make_family_model(name, tmp_path),
+                             "--max-new-tokens", "10", "--batch-episodes", "3"])
+    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    chat = loop.Chat(tok, model.generation_config.eos_token_id)
+    chat.stop_ids = _frequent_stops(chat, 0.1, seed=0)
+    torch.manual_seed(0)
+    envs = [_Uneven(turns, words) for turns, words in [(4, 3), (6, 9), (5, 1), (4, 6), (6, 2)]]
+    episodes, pairs, unequal, early = sampled_and_scored(model, chat, envs, cfg)
+    assert [1 + max(e.turn) for e in episodes] == [4, 6, 5, 4, 6]
+    assert unequal and early and min(len(e.ids) for e in episodes) > 3 * WINDOW
+    _check_sampling_is_scoring(pairs)
+
+
+def _sampling_worker(out, *folders):
+    """Under torchrun, 2 ranks, --fsdp: each family's rollout on both ranks, rank 0's turns ending
+    after a token or two and rank 1's running to 10 tokens (rank 0 joins its synced passes), and
+    rank 1 playing a second wave while rank 0 has none. Writes each rank's worst difference."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, result = dist.get_rank(), {}
+    for folder in folders:
+        cfg = loop.parse_config(["--env", "tiny", "--model", folder, "--fsdp", "--max-new-tokens", "10",
+                                 "--batch-episodes", "2"])
+        model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+        chat = loop.Chat(tok, model.generation_config.eos_token_id)
+        chat.stop_ids = _frequent_stops(chat, 0.5 if rank == 0 else 0.0, seed=rank)
+        torch.manual_seed(rank)
+        plays = [[(4, 3), (5, 8)], [(6, 2), (4, 7), (5, 1)]][rank]
+        episodes, pairs, unequal, early = sampled_and_scored(model, chat, [_Uneven(*p) for p in plays], cfg)
+        worst = max((a - b).abs().max().item() for a, b in pairs)
+        result[os.path.basename(folder)] = {"worst": worst, "turns": [1 + max(e.turn) for e in episodes],
+                                            "unequal": unequal, "early": early,
+                                            "sampled": [sum(e.is_output) for e in episodes]}
+    parts = [None, None]
+    dist.all_gather_object(parts, result)
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(parts, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # as _fsdp_worker: nothing is left to do, skip the teardown
+
+
+def test_what_generation_sampled_is_what_the_update_scores_on_two_fsdp_ranks(tmp_path):
+    folders = [make_family_model(name, tmp_path / name) for name in ARCHITECTURES]
+    r = _torchrun(os.path.join(HERE, "test_loop.py"), "sampling_worker", str(tmp_path / "out.json"), *folders)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = json.loads((tmp_path / "out.json").read_text())
+    for name in ARCHITECTURES:
+        zero, one = ranks[0][name], ranks[1][name]
+        assert zero["turns"] == [4, 5] and one["turns"] == [6, 4, 5]
+        assert zero["early"] and one["unequal"]
+        assert sum(one["sampled"]) > 5 * sum(zero["sampled"])  # rank 0's turns are short: it waited
+        for rank in (zero, one):
+            assert rank["worst"] < SAMPLING_TOLERANCE, (name, rank["worst"])
+
+
 def _synthetic_episodes(chat, n=8, seed=0):
     """Rollouts of different lengths and turn structure, the same on every rank and process."""
     g, eps = random.Random(seed), []
@@ -2220,5 +2388,7 @@ def test_behaviour_figure_of_a_missing_or_empty_run_says_what_to_do(tmp_path, ca
 
 if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
     _fsdp_worker(sys.argv[2])
+if __name__ == "__main__" and sys.argv[1] == "sampling_worker":
+    _sampling_worker(sys.argv[2], *sys.argv[3:])
 if __name__ == "__main__" and sys.argv[1] == "kill_at":
     _kill_at(sys.argv[2], sys.argv[3:])

@@ -6,7 +6,8 @@
 Memory is the peak growth of a fresh process's resident set (CUDA: the allocator's peak) during
 one run of a workload after an untimed warm-up run; timings are medians of alternating runs.
 Rollouts: 8 episodes of 6 turns in a scripted world, with the KV cache carried across turns and
-re-prefilled every turn; environment steps: 4 of 1 s of CPU each in processes of their own.
+re-prefilled every turn, and 8 of unequal lengths for the cache's size; environment steps: 4 of
+1 s of CPU each in processes of their own.
 """
 import dataclasses
 import json
@@ -136,6 +137,58 @@ def rollout_figures(model, chat, cfg):
     return ratios[True], ratios[False], median(times[False]) / median(times[True])
 
 
+class UnevenWorld:
+    """Six turns; the prompt and the observations are as long as `words` says and change length
+    from turn to turn, so that the rows of a wave differ in length at every turn."""
+
+    def __init__(self, words):
+        self.words = words
+        self.turns = 0
+        self.done = False
+
+    def messages(self):
+        return [{"role": "user", "content": "Reply six times. " + "wait " * self.words}]
+
+    def step(self, code):
+        self.turns += 1
+        self.done = self.turns == 6
+        return "ok " * (self.words * (1 + self.turns % 3))
+
+    def evaluate(self):
+        return 0, 1
+
+
+def cache_figures(model, chat, cfg):
+    """8 episodes of unequal lengths at T = 1, replies stopping where the model stops them: the
+    peak over turns of (KV cache columns / the longest row's cached tokens), (tokens prefilled
+    for real + tokens sampled) / tokens in the finished episodes, and the rollout's seconds."""
+    cfg = dataclasses.replace(cfg, batch_episodes=8, max_new_tokens=32, max_context=4096)
+    peaks, prefilled, generate, forward = [], [0], loop.generate, model.forward
+    first = [False]
+
+    def recording(model_, chat_, prompts, temperature, max_new_tokens, carry=None):
+        first[0] = True
+        out = generate(model_, chat_, prompts, temperature, max_new_tokens, carry)
+        peaks.append(carry.kv.get_seq_length() / max(carry.fed))
+        return out
+
+    def counting(*args, **kwargs):
+        if first[0]:  # a turn's prefill: the ids fed that are not padding
+            prefilled[0] += kwargs["attention_mask"][:, -kwargs["input_ids"].shape[1]:].sum().item()
+            first[0] = False
+        return forward(*args, **kwargs)
+    loop.generate, model.forward = recording, counting
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    episodes = loop.rollout(model, chat, [UnevenWorld(w) for w in (1, 9, 3, 14, 2, 6, 11, 4)],
+                            ["x"] * 8, cfg, 1.0, 6)
+    seconds = time.perf_counter() - start
+    loop.generate, model.forward = generate, forward
+    tokens = sum(len(e.ids) for e in episodes)
+    sampled = sum(sum(e.is_output) for e in episodes)
+    return max(peaks), (prefilled[0] + sampled) / tokens, seconds
+
+
 def busy(seconds):
     """About `seconds` of CPU, as code running in an AppWorld worker takes."""
     end = time.process_time() + seconds
@@ -189,6 +242,11 @@ def measure(name, cfg):
     if name == "sft":
         return peak_memory(sft, device)
     pairs = [(seconds(loop_update, device), seconds(sft, device)) for _ in range(5)]  # alternating
+    cache_ratio, uneven_prefill_ratio, uneven_seconds = cache_figures(model, chat, cfg)
+    has_window = loop.has_window
+    loop.has_window = lambda model: True  # laid out as a sliding-window model's cache is
+    windowed = cache_figures(model, chat, cfg)
+    loop.has_window = has_window
     prompts = [chat.prompt(loop.TinyWorld(t).messages()) for t in loop.TinyWorld.tasks("test")[:8]]
     chat.stop_ids = [len(chat.tok)]  # no id stops a turn: 64 tokens each, batched or not
 
@@ -202,7 +260,9 @@ def measure(name, cfg):
     carried, reprefilled, carry_speedup = rollout_figures(model, chat, cfg)
     return {"loop_s": median([a for a, _ in pairs]), "sft_s": median([b for _, b in pairs]),
             "batch_speedup": median(speedups), "prefill_ratio": carried,
-            "reprefill_ratio": reprefilled, "carry_speedup": carry_speedup}
+            "reprefill_ratio": reprefilled, "carry_speedup": carry_speedup,
+            "cache_ratio": cache_ratio, "uneven_prefill_ratio": uneven_prefill_ratio,
+            "uneven_rollout_s": uneven_seconds, "windowed": windowed}
 
 
 def in_fresh_process(name, cfg):
@@ -230,6 +290,11 @@ def bench(cfg):
             "rollout_batch_speedup": round(speed["batch_speedup"], 2),  # 8 batched / 1 by 1
             "prefill_ratio": round(speed["prefill_ratio"], 3),  # tokens fed / episode tokens
             "rollout_speedup": round(speed["carry_speedup"], 2),  # tokens/s, carried / re-prefill
+            "cache_ratio": round(speed["cache_ratio"], 3),  # peak KV columns / longest row's tokens
+            "uneven_prefill_ratio": round(speed["uneven_prefill_ratio"], 3),  # uneven rows
+            "uneven_rollout_seconds": round(speed["uneven_rollout_s"], 2),  # 8 x 6 turns, uneven
+            # the three as a sliding-window model's cache is laid out (no padding between tokens)
+            "windowed": [round(x, 3) for x in speed["windowed"]],
             "env_parallel_speedup": round(env_speedup, 2),  # 4 steps of 1 s: one by one / together
             "update_peak_mem_mb": round(loop_mem / 2**20, 1),
             "sft_peak_mem_mb": round(sft_mem / 2**20, 1),
