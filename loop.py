@@ -1329,7 +1329,12 @@ def main(argv=None):
     chat = Chat(tok, model.generation_config.eos_token_id)
     make_run_dir(run_dir, cfg)  # only now: a start that failed leaves no run directory behind
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if not trainable and not cfg.eval:  # a LoRA run's model/ loads its adapter frozen
+        die(f"{cfg.model} has no weights to train: evaluate it with --eval, or continue the run "
+            "that made it with --resume")
+    opt = None
+    if trainable:
+        opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # FSDP casts by its own mixed-precision policy
     with torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
         start = load_checkpoint(run_dir, model, opt) if cfg.resume else 0

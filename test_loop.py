@@ -132,6 +132,20 @@ def test_per_trajectory_objective():
     assert n_clipped == 3
 
 
+@pytest.mark.parametrize("kind", ["turn", "trajectory"])
+def test_a_summed_log_ratio_past_exps_range_keeps_a_finite_gradient(kind):
+    """Summed log r = 100 (exp overflows past 88.7 in fp32), A = 0.5: the clip decides, so the loss is
+    -1.1 A and the gradient 0; unbounded, 0 x inf in backward made it NaN under a finite loss."""
+    logp = OLD.clone()
+    logp[0, 1:4] += torch.tensor([40.0, 30.0, 30.0])  # for "turn" the three tokens are one turn
+    turn = torch.tensor([[-1, 0, 0, 0, -1]]) if kind == "turn" else TURN
+    logp.requires_grad_(True)
+    loss, n_clipped = loop.loop_loss(logp, OLD, torch.tensor([0.5]), MASK, turn, kind, 0.1)
+    loss.sum().backward()
+    assert loss.item() == pytest.approx(-0.55) and n_clipped == 3
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
 @pytest.mark.parametrize("kind", ["token", "turn", "trajectory", "none"])
 def test_objectives_accept_float64(kind):
     single = _loss(2.0, [1.5, 0.5, 1.05], kind)
@@ -386,6 +400,38 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
             assert torch.allclose(sampled, scored[i, start - 1:start - 1 + n], atol=1e-4)
             stopped_early += n < logp.shape[1]
     assert unequal and stopped_early  # padding, and cached positions after a stop, were masked
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_the_carried_cache_holds_the_live_episodes_and_little_else(tiny, monkeypatch, windowed):
+    """Episodes of unequal lengths at T = 1, turns that stop early, rows that leave mid-wave. Before
+    each turn the cache holds each live episode's cached tokens at its right end and nothing else
+    (the padding and post-stop tokens of earlier turns are gone), so its columns stay within 1.1 x
+    the longest row's tokens. Laid out for a sliding window, no row has padding between its tokens
+    even after the turn (the new segment follows the cached tokens column for column)."""
+    cfg, model, chat = tiny
+    cfg = dataclasses.replace(cfg, batch_episodes=6, max_new_tokens=16)
+    monkeypatch.setattr(chat, "stop_ids", _frequent_stops(chat, 0.05, seed=1))
+    monkeypatch.setattr(loop, "has_window", lambda model: windowed)
+    generate, peaks = loop.generate, []
+
+    def checked(model_, chat_, prompts, temperature, max_new_tokens, carry=None):
+        if carry.mask is not None:
+            assert carry.kv.get_seq_length() == carry.mask.shape[1] == max(carry.fed)
+            for row, n in zip(carry.mask.tolist(), carry.fed):
+                assert row == [0] * (len(row) - n) + [1] * n
+        out = generate(model_, chat_, prompts, temperature, max_new_tokens, carry)
+        peaks.append(carry.kv.get_seq_length() / max(carry.fed))
+        for row, n in zip(carry.mask.tolist(), carry.fed):
+            real = [c for c, m in enumerate(row) if m]
+            assert len(real) == n and (real[-1] - real[0] == n - 1 or not windowed)
+        return out
+    monkeypatch.setattr(loop, "generate", checked)
+    torch.manual_seed(2)
+    envs = [_Uneven(turns, words) for turns, words in [(4, 3), (6, 9), (5, 1), (4, 6), (6, 2), (3, 12)]]
+    eps = loop.rollout(model, chat, envs, ["x"] * 6, cfg, 1.0, 8)
+    assert [1 + max(e.turn) for e in eps] == [4, 6, 5, 4, 6, 3] and len(peaks) == 6
+    assert max(peaks) <= 1.1, peaks
 
 
 def test_sampling_with_the_carried_cache_equals_scoring_the_whole_episode(tiny, monkeypatch):
@@ -695,6 +741,13 @@ def test_extract_code():
     assert loop.extract_code("hi\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "a = 1\nb = 2"
     assert loop.extract_code("```python\nx = 3\nprint(x)") == "x = 3\nprint(x)"  # unterminated
     assert loop.extract_code("no code here") == ""
+
+
+def test_only_the_code_after_a_reasoning_block_runs():
+    draft, answer = "```python\nsend(everyone)\n```", "```python\napis.supervisor.complete_task()\n```"
+    assert loop.extract_code(f"<think>first {draft}</think>\n{answer}") == "apis.supervisor.complete_task()"
+    assert loop.extract_code(f"plan {draft}</think>{answer}") == "apis.supervisor.complete_task()"  # opened in the prompt
+    assert loop.extract_code(f"<think>still thinking {draft}") == ""  # cut off before an answer
 
 
 def _task_values():
@@ -2163,6 +2216,42 @@ def test_the_gradient_clip_decides_the_size_of_a_large_step():
     assert _step_norm(model, before) == pytest.approx(cfg.grad_clip, rel=1e-3)
 
 
+@pytest.mark.parametrize("kind", loop.RATIOS)
+def test_the_empty_pass_of_a_rank_without_rollouts_is_valid_for_every_ratio(kind):
+    """Under FSDP a rank that has run out of kept rollouts runs an empty pass to join the others'
+    collectives: it must give a zero loss and no gradient for every ratio (--ratio turn raised)."""
+    cfg = loop.parse_config(UPDATE_FLAGS + ["--ratio", kind])
+    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    totals = loop.minibatch_backward(model, [], [[]], {}, torch.zeros(0), cfg)
+    assert totals == [0.0, 0.0, 0, 0]
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(monkeypatch):
+    """A finite loss whose gradient is NaN (an overflow in backward) moves no weight: the step is
+    skipped and counted in skipped_nan, and the next minibatch steps as usual."""
+    import copy
+    cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--micro-batch-size", "8"])
+    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    one_step = copy.deepcopy(model)
+    loop.update(one_step, torch.optim.SGD(one_step.parameters(), lr=0.1), eps, adv, dataclasses.replace(cfg, epochs=1))
+    loop_loss, passes = loop.loop_loss, [0]
+
+    def nan_gradient(logp, *args):
+        loss, n_clipped = loop_loss(logp, *args)
+        passes[0] += 1
+        if passes[0] == 2:  # sqrt at 0: a finite value, a gradient of inf x 0 = NaN
+            loss = loss + torch.sqrt(logp.sum() * 0.0)
+        return loss, n_clipped
+    monkeypatch.setattr(loop, "loop_loss", nan_gradient)
+    stats = loop.update(model, torch.optim.SGD(model.parameters(), lr=0.1), eps, adv, cfg)
+    assert passes[0] == 2 and stats["skipped_nan"] == 1 and stats["steps"] == 1
+    assert math.isfinite(stats["grad_norm"])
+    for p, q in zip(model.parameters(), one_step.parameters()):
+        assert torch.isfinite(p).all() and torch.allclose(p, q, atol=1e-6)
+
+
 def test_a_minibatch_whose_loss_is_not_finite_moves_no_weight(monkeypatch):
     """Two epochs of one minibatch; the second pass's log-probs turn NaN, as an overflow in the
     forward pass would make them: that step is skipped, and the weights are those of the first."""
@@ -2197,9 +2286,20 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable
     out = tmp_path / "run"
-    loop.main(["--tiny", "--lora", "--iterations", "1", "--tasks-per-iteration", "2",
+    shutil.copytree(SHIPPED, tmp_path / "base")  # the base as a relative path, as a user may give it
+    loop.main(["--tiny", "--lora", "--model", "base", "--iterations", "1", "--tasks-per-iteration", "2",
                "--eval-max-turns", "1", "--max-new-tokens", "8", "--out", str(out)])
     assert (out / "model" / "adapter_config.json").exists() and not (out / "model" / "model.safetensors").exists()
+    # the adapter names its base by the absolute path, so it loads from any directory
+    adapter = json.loads((out / "model" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(tmp_path / "base")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = _cli("--tiny", "--eval", "--model", str(out / "model"), "--eval-max-turns", "1", "--max-new-tokens", "4",
+             "--out", str(tmp_path / "eval"), cwd=elsewhere)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _cli("--tiny", "--model", str(out / "model"), "--out", str(tmp_path / "more"), cwd=elsewhere)
+    assert r.returncode == 2 and "has no weights to train" in r.stderr.splitlines()[-1]
     from torch.distributed.checkpoint import FileSystemReader
     keys = FileSystemReader(str(out / "checkpoint")).read_metadata().state_dict_metadata
     assert all("lora_" in k for k in keys if k.startswith("model."))
