@@ -14,6 +14,7 @@ import atexit
 import builtins
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -249,8 +250,7 @@ def load_model_and_tokenizer(cfg, device):
         from peft import LoraConfig, get_peft_model
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
         model = get_peft_model(model, lora)
-        # the saved adapter names its base as the user gave it (a cache folder or a relative
-        # path would not load elsewhere): the hub id, or the directory's absolute path
+        # the saved adapter names its base so that it loads anywhere: the id, or an absolute path
         path = os.path.expanduser(cfg.model)
         base = os.path.abspath(path) if os.path.isdir(path) else cfg.model
         model.peft_config["default"].base_model_name_or_path = base
@@ -413,10 +413,8 @@ class Chat:
 def extract_code(text):
     """All ```python / ```py blocks joined; an unterminated last block counts; no block -> "".
     A reasoning model's drafts do not run: only the text after its reasoning block counts."""
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    elif "<think>" in text:  # reasoning cut off by the token limit: no answer yet
-        text = text.split("<think>", 1)[0]
+    text = text.rsplit("</think>", 1)[-1]  # (the <think> may be in the generation prompt)
+    text = text.split("<think>", 1)[0]  # reasoning cut off by the token limit: no answer yet
     blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
     return "\n".join(b.rstrip() for b in blocks)
 
@@ -494,8 +492,6 @@ class TinyWorld:
     SYSTEM = ("Apps: shop, bank, contacts; see apis.api_docs.show(app). Mine: "
               "apis.supervisor.wishlist(), apis.supervisor.payments() (latest first), "
               "apis.supervisor.complete_task(answer=None)")
-    LOOKUP = "apis.api_docs."
-    """Code that reads documentation: the behaviour the paper sees RL bring out."""
 
     @staticmethod
     def tasks(split):
@@ -619,13 +615,14 @@ def appworld_worker(conn):
             conn.send((tracker.pass_count, tracker.num_tests))
 
 class AppWorldEnv:
-    """The real AppWorld (appworld package). Each episode's world lives in a worker process; one
-    that dies or hangs ends its episode as failed (an infrastructure failure, not a reward) and
-    training goes on. A worker whose world was evaluated waits in `idle` to load the next
-    episode's task; one that died while it waited is replaced."""
+    """The real AppWorld (appworld package). An episode's world lives in a worker process from
+    the start of the episode's wave (messages()) to its evaluation; one that dies or hangs ends
+    its episode as failed (an infrastructure failure, not a reward) and training goes on. The
+    worker then waits in `idle` for a world of the next wave (one that died meanwhile is
+    replaced): a rank runs as many workers as its largest wave has worlds, no more."""
 
     idle = []
-    LOOKUP = "apis.api_docs."
+    START_TIMEOUT = 300  # seconds a world may take to start (the first one in a worker: ~4)
 
     @staticmethod
     def tasks(split):
@@ -651,12 +648,10 @@ class AppWorldEnv:
     def __init__(self, task_id, timeout=5.0, experiment="loop"):
         self.task_id = task_id
         self.timeout = timeout
+        self.experiment = experiment
         self.done = False
         self.failed = False
         self.info = None
-        self.worker, self.conn = self.take_worker()
-        root = os.environ.get("APPWORLD_ROOT", os.getcwd())
-        self.call(("load", (task_id, experiment, timeout, root)), wait=0)  # messages() waits
 
     @staticmethod
     def take_worker():
@@ -682,13 +677,10 @@ class AppWorldEnv:
         return worker, conn
 
     def call(self, message, wait):
-        """Send `message` (None: only receive) and wait up to `wait` s (0: do not) for the answer;
-        None if the worker died or hung, which ends the episode."""
+        """Send `message` and wait up to `wait` s for the answer; None if the worker died or hung,
+        which ends the episode."""
         try:
-            if message is not None:
-                self.conn.send(message)
-            if wait == 0:
-                return None
+            self.conn.send(message)
             if self.conn.poll(wait):
                 return self.conn.recv()
         except (EOFError, OSError):
@@ -697,9 +689,13 @@ class AppWorldEnv:
         self.failed = self.done = True
         return None
 
-    def messages(self):  # waits for the world, so that all of an iteration's worlds start at once
+    def messages(self):  # the world starts: its episode's wave begins
         if self.info is None:
-            self.info = self.call(None, wait=300) or ("(the world failed to start)", "", "", "", "")
+            self.worker, self.conn = self.take_worker()
+            root = os.environ.get("APPWORLD_ROOT", os.getcwd())
+            load = ("load", (self.task_id, self.experiment, self.timeout, root))
+            failed = ("(the world failed to start)", "", "", "", "")
+            self.info = self.call(load, wait=self.START_TIMEOUT) or failed
         instruction, name, email, phone, date = self.info
         me = f"My name is {name}, email {email}, phone {phone}."
         task = f"Date: {date}\n{me}\nTask: {instruction}"
@@ -743,8 +739,8 @@ class Episode:
         self.is_output += [output] * len(ids)
         self.turn += [turn] * len(ids)
 
-def new_episode(env, task_id, chat):
-    messages = env.messages()
+def new_episode(env, task_id, chat, messages=None):
+    messages = messages or env.messages()
     e = Episode(task_id, env, [], [], [], list(messages))
     e.add(chat.prompt(messages))
     return e
@@ -771,21 +767,19 @@ class Carry:
         between a row's tokens then either (full attention is blind to that padding)."""
         if self.mask is None:
             return
-        fed = [self.fed[i] for i in rows]
+        index = torch.tensor(rows, device=self.mask.device)
+        self.fed = [self.fed[i] for i in rows]
         if self.windowed:
-            widest = max(n - f for n, f in zip(lengths, fed))
-            fed = [max(0, n - widest) for n in lengths]
-        width, old = max(fed), self.mask
-        columns = torch.zeros(len(rows), width, dtype=torch.long, device=old.device)
-        self.mask = torch.zeros_like(columns)
-        for j, (i, n) in enumerate(zip(rows, fed)):
-            columns[j, width - n:] = old[i].nonzero().squeeze(1)[:n]  # its tokens' columns
-            self.mask[j, width - n:] = 1
-        index = torch.tensor(rows, device=old.device)[:, None]
+            widest = max(n - f for n, f in zip(lengths, self.fed))
+            self.fed = [max(0, n - widest) for n in lengths]
+        fed = torch.tensor(self.fed, device=index.device)[:, None]
+        kept = self.mask[index] * (self.mask[index].cumsum(1) <= fed)  # each row's first fed
+        # a stable sort puts the other columns first, then the kept ones in their order
+        columns = kept.argsort(dim=1, stable=True)[:, kept.shape[1] - max(self.fed):]
+        self.mask = kept.gather(1, columns)
         for layer in self.kv.layers:  # [rows, heads, columns, dim]
-            layer.keys = layer.keys[index, :, columns].transpose(1, 2)
-            layer.values = layer.values[index, :, columns].transpose(1, 2)
-        self.fed = fed
+            layer.keys = layer.keys[index[:, None], :, columns].transpose(1, 2)
+            layer.values = layer.values[index[:, None], :, columns].transpose(1, 2)
 
 @torch.no_grad()
 def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
@@ -827,12 +821,16 @@ def cut_after_stop(ids, stop_ids):
             return ids[:i + 1]
     return ids
 
-def turns(episodes, cfg, carry_cache, windowed):
+def turns(envs, task_ids, chat, cfg, carry_cache, windowed, episodes):
     """The rollout's turns, one at a time: (live episodes, turn index, their wave's carry). A wave
-    of up to batch_episodes episodes plays to its end before the next starts, so one wave's KV
-    cache exists at a time."""
-    for start in range(0, len(episodes), cfg.batch_episodes):
-        wave = episodes[start:start + cfg.batch_episodes]
+    of up to batch_episodes episodes plays to its end before the next starts; its worlds start
+    together when it begins and are scored together when it ends (a wave of hung worlds costs
+    one deadline), so one wave's KV cache and worlds exist at a time. Episodes join `episodes`."""
+    for start in range(0, len(envs), cfg.batch_episodes):
+        pairs = list(zip(envs, task_ids))[start:start + cfg.batch_episodes]
+        started = together([env.messages for env, _ in pairs])
+        wave = [new_episode(env, task, chat, m) for (env, task), m in zip(pairs, started)]
+        episodes += wave
         carry = Carry(windowed) if carry_cache else None
         rows = wave
         for turn in itertools.count():
@@ -846,6 +844,11 @@ def turns(episodes, cfg, carry_cache, windowed):
                 carry.keep(kept, [len(e.ids) for e in live])
             rows = live
             yield live, turn, carry
+        for e, result in zip(wave, together([e.env.evaluate for e in wave])):
+            e.failed = result is None  # the world broke: no reward, not even 0
+            passed, total = result or (0, 1)
+            e.reward = passed / total
+            e.success = passed == total
 
 def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout",
             carry_cache=True):
@@ -853,8 +856,8 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     episodes, then their code runs in their environments and the observations join their
     sequences. carry_cache=False re-prefills every turn (a reference for tests and tools/)."""
     model.eval()
-    episodes = [new_episode(env, task_id, chat) for env, task_id in zip(envs, task_ids)]
-    steps = turns(episodes, cfg, carry_cache, has_window(model))
+    episodes = []
+    steps = turns(envs, task_ids, chat, cfg, carry_cache, has_window(model), episodes)
     bar = tqdm(desc=desc, leave=False, disable=True if rank_world()[0] else None)
     layers = sharded_layers(model) if cfg.rollout_full_weights else []
     for layer in layers:  # gathered by its first forward, kept until the rollout ends
@@ -868,7 +871,7 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
         prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
         outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room), carry)
         codes = [act(e, new, turn, chat, cfg) for e, new in zip(live, outputs)]
-        results = step_together([e.env for e in live], codes)
+        results = together([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
         for e, output in zip(live, results):
             observe(e, output, turn == max_turns - 1, chat, cfg)
         bar.update()
@@ -876,17 +879,10 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     for layer in layers:  # sharded again for the update (reshard() is not recursive)
         layer.reshard()
         layer.set_reshard_after_forward(True, recurse=False)
-    for e in episodes:
-        result = e.env.evaluate()
-        e.failed = result is None  # the world broke: no reward, not even 0
-        passed, total = result or (0, 1)
-        e.reward = passed / total
-        e.success = passed == total
     return episodes
 
 def has_window(model):
-    """Whether a layer attends to a window of cache columns only (the local layers of Gemma 2 and
-    3, Phi-3-mini's 2,047, Mistral v0.1's 4,096; Llama 4's chunks)."""
+    """A layer sees a window of columns (Gemma's local layers, Phi-3-mini, Mistral v0.1)?"""
     config = model.config.get_text_config()
     return bool(getattr(config, "sliding_window", None)
                 or getattr(config, "attention_chunk_size", None))
@@ -904,11 +900,11 @@ def act(e, new, turn, chat, cfg):
     e.transcript.append({"role": "assistant", "content": text})
     return extract_code(text)
 
-def step_together(envs, codes):
-    """Every episode's code runs at once, each call with its own deadline (AppWorld's worlds are
-    processes), so a slow or endless episode holds up no other."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(envs))) as pool:
-        futures = [pool.submit(env.step, code) for env, code in zip(envs, codes)]
+def together(calls):
+    """The calls run at once, each with its own deadline (AppWorld's worlds are processes), so a
+    slow, endless or hung world holds up no other: k that hang cost one deadline, not k."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(calls))) as pool:
+        futures = [pool.submit(call) for call in calls]
         return [future.result() for future in futures]
 
 def observe(e, output, last_turn, chat, cfg):
@@ -1258,6 +1254,9 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
             "recovered": recovered / max(erred, 1), **stats,
             "seconds": round(time.time() - started, 2)}
 
+LOOKUP = "apis.api_docs."
+"""Code that reads documentation: the behaviour the paper sees RL bring out."""
+
 def behaviour(episodes):
     """Counts of two habits the paper sees RL change (§5): episodes whose first code reads the
     docs, episodes that met an error, and of those the ones that still succeeded."""
@@ -1266,7 +1265,7 @@ def behaviour(episodes):
         codes = [extract_code(m["content"]) for m in e.transcript if m["role"] == "assistant"]
         replies = zip(e.transcript, e.transcript[1:])  # the observation after each turn
         outputs = [m["content"] for turn, m in replies if turn["role"] == "assistant"]
-        looked += bool(codes) and e.env.LOOKUP in codes[0]
+        looked += bool(codes) and LOOKUP in codes[0]
         if any(o.startswith("Execution failed") for o in outputs):
             erred += 1
             recovered += e.success
@@ -1316,6 +1315,7 @@ def main(argv=None):
     metrics = os.path.join(run_dir, "metrics.jsonl")
 
     def log(row):  # rank 0 only; the numbers are already reduced over ranks
+        row.setdefault("seconds", round(time.time() - t0, 1))  # an evaluation: since the start
         if rank == 0:
             with open(metrics, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -1341,16 +1341,14 @@ def main(argv=None):
         kept = keep_rows(metrics, start) if cfg.resume and rank == 0 else []
         # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
         if not start and not all_reduce([any("split" in r for r in kept)], "max")[0]:
-            log(evaluate(model, chat, cfg, cfg.split, 0, run_dir)
-                | {"seconds": round(time.time() - t0, 1)})
+            log(evaluate(model, chat, cfg, cfg.split, 0, run_dir))
         if cfg.eval:
             return
         train_tasks = ENVS[cfg.env].tasks(cfg.train_split)
         for it in tqdm(range(start + 1, cfg.iterations + 1), desc="LOOP", disable=rank != 0):
             log(train_iteration(model, opt, chat, cfg, train_tasks, it))
             if it % cfg.eval_every == 0 or it == cfg.iterations:
-                log(evaluate(model, chat, cfg, cfg.split, it, run_dir)
-                    | {"seconds": round(time.time() - t0, 1)})
+                log(evaluate(model, chat, cfg, cfg.split, it, run_dir))
             save_checkpoint(run_dir, model, opt, it)
     save_model(run_dir, model, tok)
 

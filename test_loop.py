@@ -1643,8 +1643,8 @@ def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root)
         parent = int(fh.read().rsplit(")", 1)[1].split()[1])
     assert parent != os.getpid()  # started by the forkserver, not forked from the trainer
     again = loop.AppWorldEnv("5a0f1c2_2", 60.0, "pytest-reuse-b")
+    assert AW_TASKS["5a0f1c2_2"]["instruction"] in again.messages()[1]["content"]  # its world starts
     assert again.worker.pid == env.worker.pid  # the idle worker took the next task
-    assert AW_TASKS["5a0f1c2_2"]["instruction"] in again.messages()[1]["content"]
     assert again.step(count).strip() == "1"  # in a world of its own: the first one's note is not there
     again.step(aw_solution("5a0f1c2_2", True))
     assert again.evaluate() == (4, 4)
@@ -1658,8 +1658,8 @@ def test_an_idle_worker_that_died_is_replaced_not_handed_out(appworld_root):
     env.worker.kill()  # dies while it waits
     env.worker.join(5)
     again = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-idle-b")
-    assert again.worker is not env.worker and again.worker.is_alive()
     assert AW_TASKS["5a0f1c2_1"]["instruction"] in again.messages()[1]["content"]
+    assert again.worker is not env.worker and again.worker.is_alive()
     again.step(aw_solution("5a0f1c2_1", True))
     assert again.evaluate() == (4, 4) and not again.failed
     assert all(worker.is_alive() for worker, _ in loop.AppWorldEnv.idle)
@@ -1779,6 +1779,12 @@ def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
     env.evaluate()
 
 
+def _steps(envs, codes):
+    """A turn's steps as rollout runs them: together."""
+    import functools
+    return loop.together([functools.partial(env.step, code) for env, code in zip(envs, codes)])
+
+
 def test_a_turns_appworld_steps_run_together(appworld_root):
     """Each call stops at the world's own 2 s time limit. Played together, 4 episodes' turn takes
     about the time of one (one after another: 4 times it), and two endless loops among 4 episodes
@@ -1793,15 +1799,15 @@ def test_a_turns_appworld_steps_run_together(appworld_root):
     expected = envs[0].step(apps).strip()
     assert expected.isdigit(), expected
     start = time.monotonic()
-    (alone,) = loop.step_together(envs[:1], [endless])
+    (alone,) = _steps(envs[:1], [endless])
     one = time.monotonic() - start
     start = time.monotonic()
-    outputs = loop.step_together(envs[1:], [endless] * 4)
+    outputs = _steps(envs[1:], [endless] * 4)
     four = time.monotonic() - start
     assert "timed out" in alone and all("timed out" in output for output in outputs)
     assert one > 2 and four < 2 * one, (one, four)
     start = time.monotonic()
-    outputs = loop.step_together(envs[1:], [endless, apps, endless, apps])
+    outputs = _steps(envs[1:], [endless, apps, endless, apps])
     mixed = time.monotonic() - start
     assert [output.strip() for output in outputs[1::2]] == [expected] * 2 and "timed out" in outputs[0]
     assert mixed < 1.5 * one, (one, mixed)
@@ -2368,7 +2374,7 @@ def test_fsdp_resumes_before_its_first_checkpoint_from_an_adamw_that_never_stepp
 
 # ---------------------------------------------------------------- kills at any moment
 KILL_RUN = [*quick(), "--iterations", "3", "--eval-every", "2"]  # evaluations at 0, 2 and 3
-EVENTS = ("generate", "step_together", "minibatch_backward", "evaluate", "save_checkpoint", "save_model")
+EVENTS = ("generate", "together", "minibatch_backward", "evaluate", "save_checkpoint", "save_model")
 """The calls a seeded random moment is drawn from: every phase of a run has some."""
 
 
@@ -2426,7 +2432,7 @@ def unbroken(tmp_path_factory):
 
 
 # where the kill is, and which of the checkpoint folders and model/ it leaves
-KILLS = {"during the first evaluation": ("step_together:1", set()),
+KILLS = {"during the first evaluation": ("together:2", set()),  # its first step
          "after the first evaluation was logged": ("train_iteration:1", set()),
          "while the first checkpoint is written": ("finish:1", {"checkpoint.tmp"}),
          "between a checkpoint's two renames": ("renamed:1", {"checkpoint.old", "checkpoint.tmp"}),
