@@ -1815,6 +1815,75 @@ def test_a_turns_appworld_steps_run_together(appworld_root):
         env.evaluate()
 
 
+def _appworld_workers():
+    """Live AppWorld worker processes: the forkserver's children (zombies not counted)."""
+    from multiprocessing import forkserver
+    server, workers = forkserver._forkserver._forkserver_pid, 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state, parent = fh.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:  # gone meanwhile
+            continue
+        workers += int(parent) == server and state != "Z"
+    return workers
+
+
+def _no_idle_workers():
+    for worker, _ in loop.AppWorldEnv.idle:
+        worker.kill()
+        worker.join(5)
+    loop.AppWorldEnv.idle.clear()
+
+
+def test_a_rank_runs_the_worlds_of_one_wave_at_a_time(tiny, appworld_root, monkeypatch):
+    """10 episodes in waves of 4: at every generation at most 4 workers are alive (before, all 10
+    worlds started at once and their workers stayed), and after the rollout the pool holds 4."""
+    _no_idle_workers()
+    cfg = dataclasses.replace(tiny[0], env="appworld", batch_episodes=4, code_timeout=30.0, max_context=4096)
+    alive, policy = [], scripted_policy(lambda text: "print(1)")
+
+    def counting(*args):
+        alive.append(_appworld_workers())
+        return policy(*args)
+    monkeypatch.setattr(loop, "generate", counting)
+    envs = [loop.AppWorldEnv("5a0f1c2_1", 30.0, f"pytest-wave{k}") for k in range(10)]
+    episodes = loop.rollout(tiny[1], tiny[2], envs, ["5a0f1c2_1"] * 10, cfg, 1.0, 1)
+    assert len(alive) == 3 and max(alive) <= 4 and not any(e.failed for e in episodes)
+    assert len(loop.AppWorldEnv.idle) == 4 and _appworld_workers() == 4
+
+
+def test_worlds_that_do_not_start_cost_their_wave_one_deadline_and_count_as_failures(tiny, appworld_root,
+                                                                                      monkeypatch, tmp_path):
+    """An evaluation of the 3 fixture tasks in one wave, two of whose worlds hang while they start
+    (their workers stopped): they fail after the start deadline, waited for together (one deadline,
+    not two), are not completed and count in env_failures; the third task is solved."""
+    cfg = dataclasses.replace(tiny[0], env="appworld", code_timeout=30.0, max_context=4096, eval_max_turns=1)
+    warm = loop.AppWorldEnv("5a0f1c2_1", 30.0, "pytest-warm")  # a worker that has started a world
+    warm.messages()
+    warm.evaluate()
+    take, taken = loop.AppWorldEnv.take_worker, []
+
+    def stopping():
+        worker, conn = take()
+        taken.append(worker)
+        if len(taken) > 1:
+            os.kill(worker.pid, signal.SIGSTOP)  # hung: alive, never answers
+        return worker, conn
+    monkeypatch.setattr(loop.AppWorldEnv, "take_worker", staticmethod(stopping))
+    monkeypatch.setattr(loop.AppWorldEnv, "START_TIMEOUT", 6)
+    monkeypatch.setattr(loop, "generate", scripted_policy(aw_policy))
+    start = time.monotonic()
+    try:
+        row = loop.evaluate(tiny[1], tiny[2], cfg, "fixture", 0, str(tmp_path))
+    finally:
+        for worker in taken:
+            worker.kill()  # a stopped child would hang the exit
+    assert time.monotonic() - start < 2 * 6
+    assert row["env_failures"] == 2 and sum(row["per_task"].values()) == 1 and row["tgc"] == pytest.approx(1 / 3)
+    assert not any(worker.is_alive() for worker in taken[1:])  # killed at the deadline
+
+
 def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
     code, err = _error(capsys, "--eval", "--env", "appworld", "--split", "test_normal", "--tiny")
@@ -2462,6 +2531,24 @@ def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbro
     loop.main(["--resume", str(run)])
     assert _logged(run) == rows, where  # every iteration once, with the unbroken run's numbers
     assert (run / "model" / "model.safetensors").exists() and not (run / "checkpoint.old").exists()
+
+
+def test_each_iteration_samples_its_own_tasks_and_a_resumed_one_samples_the_same(tiny, monkeypatch):
+    """The tasks of iteration i are drawn from (seed, i): iterations differ, and iteration 1 played
+    again (as a resumed run plays it) draws what it drew; a task's K rollouts are side by side."""
+    class Sampled(Exception):
+        pass
+
+    def recording(model, chat, envs, task_ids, *args, **kwargs):
+        drawn.append(task_ids)
+        raise Sampled
+    drawn, cfg = [], dataclasses.replace(tiny[0], tasks_per_iteration=4, rollouts_per_task=3)
+    monkeypatch.setattr(loop, "rollout", recording)
+    for iteration in (1, 2, 3, 1):
+        with pytest.raises(Sampled):
+            loop.train_iteration(tiny[1], None, tiny[2], cfg, loop.TinyWorld.tasks("train"), iteration)
+    assert len({tuple(tasks) for tasks in drawn[:3]}) == 3 and drawn[3] == drawn[0]
+    assert all(tasks[i] == tasks[i - i % 3] for tasks in drawn for i in range(12))
 
 
 def test_behaviour_counts_looking_first_and_recovering():
