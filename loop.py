@@ -44,8 +44,7 @@ def setting(default, doc):
 @dataclass
 class Config:
     env: str = setting("appworld", "appworld, or tiny: an offline miniature of AppWorld.")
-    model: str = setting("Qwen/Qwen2.5-32B-Instruct",
-        "Hugging Face model id or local directory (in a config file: beside the file first).")
+    model: str = setting("Qwen/Qwen2.5-32B-Instruct", "Hugging Face model id or local directory.")
     seed: int = setting(0, "Seed for Python, torch and task sampling.")
     out: str = setting("", "Run directory of metrics, transcripts, weights (default runs/<time>).")
     iterations: int = setting(200,
@@ -69,8 +68,7 @@ class Config:
     grad_clip: float = setting(1.0, "Gradient-norm clip (paper: 1.0; reference code: 0.1).")
     epochs: int = setting(2, "Passes over an iteration's rollouts (paper: 2).")
     minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32).")
-    micro_batch_size: int = setting(4,
-        "Rollouts per forward/backward pass (at most a minibatch); gradients accumulate.")
+    micro_batch_size: int = setting(4, "Rollouts per forward/backward pass; gradients accumulate.")
     clip_eps: float = setting(0.1,
         "Ratio clipped to [1/(1+eps), 1+eps] as in the reference code (paper: [1-eps, 1+eps]).")
     ratio: str = setting("token",
@@ -83,22 +81,17 @@ class Config:
     eval_every: int = setting(10,
         "Evaluate every this many iterations (and before the first and after the last).")
     eval: bool = setting(False, "Only evaluate `split`, no training.")
-    batch_episodes: int = setting(256,
-        "Episodes generated together in one batch (per rank); bounds the KV cache.")
-    logprob_chunk: int = setting(512,
-        "Positions per chunk of the update's vocabulary projection: [tokens x vocab] never exists.")
-    fsdp: bool = setting(False,
-        "Shard weights, gradients and optimizer state over the ranks with FSDP2 (under torchrun).")
+    batch_episodes: int = setting(256, "Episodes played together per rank: their worlds, KV cache.")
+    logprob_chunk: int = setting(512, "Positions per chunk of the update's vocabulary projection.")
+    fsdp: bool = setting(False, "Shard weights, gradients and AdamW state (FSDP2, torchrun).")
     rollout_full_weights: bool = setting(False,
         "FSDP: gather each layer once per rollout, not per token (costs the full weights per GPU).")
     bf16: bool = setting(False,
         "bf16 compute; weights, gradients and optimizer state stay fp32 (a LoRA base stays bf16).")
-    activation_checkpointing: bool = setting(False,
-        "Recompute each decoder layer's activations in backward: long episodes fit in less memory.")
+    activation_checkpointing: bool = setting(False, "Recompute each decoder layer in backward.")
     lora: bool = setting(False,
         "Train the paper's LoRA adapter (rank 16, alpha 32, all projections), not all weights.")
-    resume: str = setting("",
-        "Run directory to resume from its last complete checkpoint (its config.json is the base).")
+    resume: str = setting("", "Run directory to continue from its last complete checkpoint.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(HERE, "tiny_config.json")
@@ -165,8 +158,7 @@ def read_config_file(path, hints):
     return values
 
 def check_config(cfg):
-    """Every setting makes sense before any work starts (a 0 here would divide by zero later,
-    or train nothing and still save a model)."""
+    """Every setting checked before any work starts: a 0 would divide by zero or train nothing."""
     if cfg.env not in ENVS:
         die(f"--env must be one of {', '.join(ENVS)}, got {cfg.env!r}")
     if cfg.ratio not in RATIOS:
@@ -186,8 +178,7 @@ def check_config(cfg):
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 def load_pretrained(cfg):
-    """A local directory (a finished run's model/ too) or a Hugging Face id: from the local cache
-    when it holds the model (no network), else downloaded."""
+    """A local directory (a run's model/ too) or a Hugging Face id: from the cache, else the hub."""
     from huggingface_hub import snapshot_download
     path = os.path.expanduser(cfg.model)
     if not os.path.isdir(path):
@@ -239,8 +230,7 @@ def load_model_and_tokenizer(cfg, device):
     from transformers import GenerationConfig
     torch.manual_seed(cfg.seed)  # every rank and process initialises the same LoRA adapter
     model, tok = load_pretrained(cfg)
-    # Hub defaults (top-k, top-p, repetition penalty) would make sampling differ from the plain
-    # softmax at temperature T that the update scores: keep only the ids generation stops on.
+    # only the stop ids: hub defaults (top-k, top-p, penalties) are not what the update scores
     model.generation_config = GenerationConfig(eos_token_id=model.generation_config.eos_token_id)
     chunked_logprob_head(model.get_output_embeddings(), cfg.logprob_chunk)
     if cfg.activation_checkpointing:
@@ -272,10 +262,9 @@ def shard(model, cfg, layer_names):
     fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
 
 def chunked_logprob_head(head, chunk):
-    """While `head.targets` is set, the LM head returns log p(target) per position instead of
-    logits, projecting `chunk` positions at a time and recomputing each chunk in backward: the
-    [tokens x vocab] logits (19 GB for 32k tokens of Qwen's 152k vocabulary) never exist at once.
-    It runs inside the model's forward so that FSDP has the head's weights gathered."""
+    """While `head.targets` is set, the LM head returns log p(target) per position, `chunk`
+    positions at a time, each recomputed in backward: the [tokens x vocab] logits (19 GB for 32k
+    tokens of Qwen's vocabulary) never exist. Inside forward, FSDP has the head gathered."""
     head.targets = None
     head.temperature = 1.0
     head.softcap = None
@@ -390,8 +379,7 @@ class Chat:
         return head + self.encode(rendered, literal=True) + self.encode(self.post)
 
     def truncate(self, text, max_tokens):
-        # Tokenized a piece at a time, only up to the cut: BPE on a run without spaces takes
-        # quadratic time (80k characters: 31 s with the tiny tokenizer); code can print megabytes.
+        # Tokenized a piece at a time up to the cut: BPE on a run without spaces is quadratic
         ids = []
         for start in range(0, len(text), 1000):
             ids += self.encode(text[start:start + 1000], literal=True)
@@ -410,6 +398,8 @@ class Chat:
 # 3. Environments. Fork here for a new environment: a class made as Env(task_id, timeout,
 #    experiment) with tasks(split) -> ids "<scenario>_<n>", messages(), step(code) -> observation,
 #    `done`, and evaluate() -> (tests passed, tests total), or None when the world itself failed.
+LOOKUP = "apis.api_docs."  # code that reads documentation (`looked_first`)
+
 def extract_code(text):
     """All ```python / ```py blocks joined; an unterminated last block counts; no block -> "".
     A reasoning model's drafts do not run: only the text after its reasoning block counts."""
@@ -464,8 +454,7 @@ SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 WORDS = random.Random(0).sample([a + b for a in SYLLABLES for b in SYLLABLES], 560)  # kofi, lena
 """Names and product titles: two syllables each."""
 NUMBERS = [str(n) for n in random.Random(1).sample(range(10, 100), 90)]
-# Tasks draw their people, items, API names, amounts and extensions from the first part of each
-# pool; the tiny model's warm-up (tools/make_tiny_model.py) saw only the rest.
+# Tasks draw from the first part of each pool; the tiny model's warm-up saw only the rest.
 TASK_VALUES = {"words": WORDS[:60], "numbers": NUMBERS[:30]}
 
 class App:
@@ -512,8 +501,7 @@ class TinyWorld:
         """The world's state, drawn from `values` (TASK_VALUES; the warm-up's worlds: the rest)."""
         words = rng.sample(values["words"], 10)
         people = words[:4]
-        # Each world names its apps' APIs anew, as AppWorld's apps are new to an agent: a name
-        # that is not read from the docs is a guess that fails.
+        # APIs named anew in each world, as AppWorld's apps are new to an agent: guesses fail
         self.api = dict(zip(self.APPS.values(), words[4:7]))
         self.wishlist = words[7:]  # top first
         self.phones = dict(zip(people, map(int, rng.sample(values["numbers"], 4))))
@@ -538,8 +526,7 @@ class TinyWorld:
             return f"ordered {item}"
 
         def send(name, amount):
-            if name not in self.phones:
-                raise KeyError(f"no contact named {name!r}")
+            phone(name)  # a contact of that name
             self.transfers.append((name, amount))
             return f"sent {amount} to {name}"
 
@@ -586,12 +573,10 @@ class TinyWorld:
             checks = [self.answer in self.phones.values(), self.answer == self.phones[last]]
         return sum(checks) + self.done, len(checks) + 1
 
-APPWORLD_PROMPT = os.path.join(HERE, "assets", "appworld_prompt.txt")
-"""The agent's system prompt: ours, in the spirit of AppWorld's ReAct prompt, one worked example."""
+APPWORLD_PROMPT = os.path.join(HERE, "assets", "appworld_prompt.txt")  # ours, ReAct-style
 
 def appworld_worker(conn):
-    """A process that serves one AppWorld world at a time (AppWorld allows one per process), task
-    after task: its first world takes seconds to start, the later ones about 0.1 s."""
+    """A process serving one AppWorld world at a time (one per process allowed), task after task."""
     warnings.filterwarnings("ignore")
     from appworld import AppWorld
     while True:
@@ -604,9 +589,8 @@ def appworld_worker(conn):
             world = AppWorld(task_id=task_id, experiment_name=experiment,
                              timeout_seconds=int(max(1, timeout)))
             s = world.task.supervisor
-            name = f"{s.first_name} {s.last_name}"
-            conn.send((world.task.instruction, name, s.email, s.phone_number,
-                       str(world.task.datetime)))
+            me = f"My name is {s.first_name} {s.last_name}, email {s.email}, phone {s.phone_number}"
+            conn.send(f"Date: {world.task.datetime}\n{me}.\nTask: {world.task.instruction}")
         elif command == "execute":
             conn.send((world.execute(arg), world.task_completed()))
         else:
@@ -615,11 +599,10 @@ def appworld_worker(conn):
             conn.send((tracker.pass_count, tracker.num_tests))
 
 class AppWorldEnv:
-    """The real AppWorld (appworld package). An episode's world lives in a worker process from
-    the start of the episode's wave (messages()) to its evaluation; one that dies or hangs ends
-    its episode as failed (an infrastructure failure, not a reward) and training goes on. The
-    worker then waits in `idle` for a world of the next wave (one that died meanwhile is
-    replaced): a rank runs as many workers as its largest wave has worlds, no more."""
+    """The real AppWorld (appworld package). An episode's world lives in a worker process from its
+    wave's start (messages()) to its evaluation, then the worker waits in `idle` for a world of
+    the next wave: a rank runs one wave's workers. A world that dies or hangs fails its episode
+    (an infrastructure failure, not a reward) and training goes on."""
 
     idle = []
     START_TIMEOUT = 300  # seconds a world may take to start (the first one in a worker: ~4)
@@ -651,7 +634,7 @@ class AppWorldEnv:
         self.experiment = experiment
         self.done = False
         self.failed = False
-        self.info = None
+        self.task = None
 
     @staticmethod
     def take_worker():
@@ -663,9 +646,8 @@ class AppWorldEnv:
 
     @staticmethod
     def start_worker():
-        # From the forkserver, a clean process: a fork of the trainer would inherit its CUDA state
-        # and NCCL threads, and a lock held by another thread at fork time hangs the child. The
-        # server imports the apps once (3-4 s of a world's first start) for every worker it forks.
+        # From the forkserver, a clean process (a fork would inherit CUDA state, NCCL threads and
+        # other threads' locks); it imports the apps once (3-4 s) for every worker it forks.
         from appworld.apps import get_all_apps
         ctx = multiprocessing.get_context("forkserver")
         apps = [f"appworld.apps.{app}.apis" for app in get_all_apps()]
@@ -690,18 +672,14 @@ class AppWorldEnv:
         return None
 
     def messages(self):  # the world starts: its episode's wave begins
-        if self.info is None:
+        if self.task is None:
             self.worker, self.conn = self.take_worker()
             root = os.environ.get("APPWORLD_ROOT", os.getcwd())
             load = ("load", (self.task_id, self.experiment, self.timeout, root))
-            failed = ("(the world failed to start)", "", "", "", "")
-            self.info = self.call(load, wait=self.START_TIMEOUT) or failed
-        instruction, name, email, phone, date = self.info
-        me = f"My name is {name}, email {email}, phone {phone}."
-        task = f"Date: {date}\n{me}\nTask: {instruction}"
+            self.task = self.call(load, wait=self.START_TIMEOUT) or "(the world failed to start)"
         with open(APPWORLD_PROMPT) as fh:
             prompt = fh.read().strip()
-        return [{"role": "system", "content": prompt}, {"role": "user", "content": task}]
+        return [{"role": "system", "content": prompt}, {"role": "user", "content": self.task}]
 
     def step(self, code):
         reply = None if self.failed else self.call(("execute", code), wait=self.timeout + 60)
@@ -733,6 +711,8 @@ class Episode:
     reward: float = 0.0
     success: bool = False
     failed: bool = False  # the world died, hung or did not start: an infrastructure failure
+    looked_first: bool = False  # a habit RL changes (§5): the first code reads the docs
+    erred: bool = False  # another: an error observation was met
 
     def add(self, ids, output=False, turn=-1):
         self.ids += ids
@@ -746,32 +726,28 @@ def new_episode(env, task_id, chat, messages=None):
     return e
 
 class Carry:
-    """A wave's KV cache, carried across its turns so that every token goes through the model
-    about once. Row i (the wave's i-th live episode) holds the first fed[i] ids of its episode;
-    `mask` marks the cached columns that hold them (0: padding, tokens sampled after a stop)."""
+    """A wave's KV cache, carried across its turns: row i (its i-th live episode) holds the first
+    fed[i] ids of the episode, in the columns `mask` marks (0: padding, tokens after a stop)."""
 
-    def __init__(self, windowed):
+    def __init__(self):
         from transformers import DynamicCache
         self.kv = DynamicCache()
         self.mask = None
         self.fed = []
-        self.windowed = windowed
 
     def keep(self, rows, lengths):
         """Lay the cache out anew for the next turn of the episodes in `rows` (now `lengths` ids
-        long): each one's cached tokens in order, padding only in front. Gone are the episodes that
-        ended, the padding and post-stop tokens of earlier turns, and the columns that generate
-        wrote past what it returned (synced_gpus: a rank that is done joins the others' passes).
-        A sliding window counts columns, not tokens, so for a windowed model every row is fed as
-        many ids as the widest new segment, recomputing some it had cached: no padding lies
-        between a row's tokens then either (full attention is blind to that padding)."""
+        long), so that no padding lies between an episode's tokens: a sliding window (Gemma,
+        Phi-3, Mistral) counts columns, not tokens. Each row keeps its first tokens, padded in
+        front, and is then fed as many ids as the widest new segment (a few it had cached are
+        recomputed). Gone are the episodes that ended, earlier turns' padding and post-stop tokens,
+        and columns generate wrote past what it returned (synced_gpus: a rank that is done joins
+        the others' passes)."""
         if self.mask is None:
             return
         index = torch.tensor(rows, device=self.mask.device)
-        self.fed = [self.fed[i] for i in rows]
-        if self.windowed:
-            widest = max(n - f for n, f in zip(lengths, self.fed))
-            self.fed = [max(0, n - widest) for n in lengths]
+        widest = max(n - self.fed[i] for i, n in zip(rows, lengths))
+        self.fed = [max(0, n - widest) for n in lengths]
         fed = torch.tensor(self.fed, device=index.device)[:, None]
         kept = self.mask[index] * (self.mask[index].cumsum(1) <= fed)  # each row's first fed
         # a stable sort puts the other columns first, then the kept ones in their order
@@ -783,9 +759,8 @@ class Carry:
 
 @torch.no_grad()
 def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
-    """Sample one turn for a batch of episodes; returns each one's sampled ids, cut after the
-    first stop token. With a carry, only the ids its cache lacks are fed (the last turn's final
-    token, the separator, the observation); without, each prompt is prefilled whole."""
+    """Sample one turn for a batch of episodes: each one's ids, cut after the first stop token.
+    With a carry only what its cache lacks is fed (last token, observation); else all of it."""
     from transformers import GenerationConfig
     pad, device = chat.tok.pad_token_id, next(model.parameters()).device
     fed = carry.fed if carry and carry.mask is not None else [0] * len(prompts)
@@ -797,10 +772,9 @@ def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
     if carry and carry.mask is not None:  # generate feeds only the columns past the cached ones
         attn = torch.cat([carry.mask, attn], 1)
         ids = torch.cat([torch.full_like(carry.mask, pad), ids], 1)
-    if temperature > 0:  # the plain softmax at T, which is what the update scores
+    sampling = {}  # greedy at T = 0, else the plain softmax at T: what the update scores
+    if temperature > 0:
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
-        sampling = dict(do_sample=False)
     config = GenerationConfig(**sampling, max_new_tokens=max_new_tokens,
                               eos_token_id=chat.stop_ids, pad_token_id=pad)
     # synced: under FSDP a rank that is done keeps joining the others' forward passes
@@ -821,17 +795,16 @@ def cut_after_stop(ids, stop_ids):
             return ids[:i + 1]
     return ids
 
-def turns(envs, task_ids, chat, cfg, carry_cache, windowed, episodes):
-    """The rollout's turns, one at a time: (live episodes, turn index, their wave's carry). A wave
-    of up to batch_episodes episodes plays to its end before the next starts; its worlds start
-    together when it begins and are scored together when it ends (a wave of hung worlds costs
-    one deadline), so one wave's KV cache and worlds exist at a time. Episodes join `episodes`."""
+def turns(envs, task_ids, chat, cfg, carry_cache, episodes):
+    """The turns, one at a time: (live episodes, turn, their wave's carry). A wave of batch_episodes
+    plays to its end before the next; its worlds start together and are scored together at its
+    end, so one wave's KV cache and worlds exist at a time. Episodes join `episodes`."""
     for start in range(0, len(envs), cfg.batch_episodes):
         pairs = list(zip(envs, task_ids))[start:start + cfg.batch_episodes]
         started = together([env.messages for env, _ in pairs])
         wave = [new_episode(env, task, chat, m) for (env, task), m in zip(pairs, started)]
         episodes += wave
-        carry = Carry(windowed) if carry_cache else None
+        carry = Carry() if carry_cache else None
         rows = wave
         for turn in itertools.count():
             for e in wave:
@@ -852,12 +825,11 @@ def turns(envs, task_ids, chat, cfg, carry_cache, windowed, episodes):
 
 def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout",
             carry_cache=True):
-    """Play all episodes to the end: each turn, one batched generation for a wave's live
-    episodes, then their code runs in their environments and the observations join their
-    sequences. carry_cache=False re-prefills every turn (a reference for tests and tools/)."""
+    """Each turn, one batched generation for a wave's live episodes, then their code runs in their
+    worlds. carry_cache=False re-prefills every turn (a reference for tests and tools/)."""
     model.eval()
     episodes = []
-    steps = turns(envs, task_ids, chat, cfg, carry_cache, has_window(model), episodes)
+    steps = turns(envs, task_ids, chat, cfg, carry_cache, episodes)
     bar = tqdm(desc=desc, leave=False, disable=True if rank_world()[0] else None)
     layers = sharded_layers(model) if cfg.rollout_full_weights else []
     for layer in layers:  # gathered by its first forward, kept until the rollout ends
@@ -881,12 +853,6 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
         layer.set_reshard_after_forward(True, recurse=False)
     return episodes
 
-def has_window(model):
-    """A layer sees a window of columns (Gemma's local layers, Phi-3-mini, Mistral v0.1)?"""
-    config = model.config.get_text_config()
-    return bool(getattr(config, "sliding_window", None)
-                or getattr(config, "attention_chunk_size", None))
-
 def sharded_layers(model):
     """The FSDP modules but the root, which FSDP keeps gathered after its forward anyway."""
     from torch.distributed.fsdp import FSDPModule
@@ -898,7 +864,9 @@ def act(e, new, turn, chat, cfg):
     e.add(new, output=True, turn=turn)
     text = chat.tok.decode(new, skip_special_tokens=True)  # whole turns: characters stay intact
     e.transcript.append({"role": "assistant", "content": text})
-    return extract_code(text)
+    code = extract_code(text)
+    e.looked_first = e.looked_first or (turn == 0 and LOOKUP in code)
+    return code
 
 def together(calls):
     """The calls run at once, each with its own deadline (AppWorld's worlds are processes), so a
@@ -910,6 +878,7 @@ def together(calls):
 def observe(e, output, last_turn, chat, cfg):
     """The environment's output joins the episode as context, between the template's separators."""
     observation = chat.truncate(output, cfg.max_obs_tokens)
+    e.erred = e.erred or observation.startswith("Execution failed")
     e.transcript.append({"role": "user", "content": observation})
     e.done = e.env.done or last_turn or len(e.ids) >= cfg.max_context
     if not e.done:
@@ -939,9 +908,8 @@ def loo_advantages(rewards, normalize=False, valid=None):
 
 # 6. The clipped objective (Eq. 5) and its per-turn / per-trajectory / on-policy variants
 def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
-    """Per-rollout loss (to minimise) and number of clipped tokens.
-
-    logp, old_logp, mask, turn: [B, T] over target tokens; adv: [B]. Each rollout's loss is the
+    """Per-rollout loss (to minimise) and number of clipped tokens. logp, old_logp, mask, turn:
+    [B, T] over target tokens; adv: [B]. Each rollout's loss is the
     mean over its own output tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
     mask = mask.to(logp.dtype)
     n = mask.sum(1).clamp(min=1)
@@ -956,9 +924,8 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
         log_r = torch.einsum("bj,btj->bt", per_turn, onehot)
     elif ratio == "trajectory":  # one ratio per rollout: prod_t r_t
         log_r = log_r.sum(1, keepdim=True).expand_as(mask)
-    # With A > 0 the clip decides above 1 + eps (no gradient), so log r is bounded there first:
-    # the same objective and gradient, but a summed log-ratio over 88 no longer overflows exp to
-    # inf, whose 0 x inf in backward would be a NaN gradient under a finite loss
+    # With A > 0 the clip decides above 1 + eps (no gradient): bounding log r there first keeps a
+    # summed log-ratio over 88 from overflowing exp (0 x inf in backward: a NaN gradient)
     over = (a > 0) & (log_r > math.log(1 + eps))
     r = torch.exp(torch.where(a > 0, log_r.clamp(max=math.log(1 + eps)), log_r))
     clipped = torch.clamp(r, 1 / (1 + eps), 1 + eps)
@@ -1042,9 +1009,8 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
     return all_reduce(totals)
 
 def update(model, opt, episodes, advantages, cfg):
-    """PPO epochs over the iteration's rollouts with the per-token clipped objective. Under FSDP a
-    minibatch spans the ranks (each takes its share of its own rollouts) and every rank runs the
-    same number of passes, an empty one where it has run out, so that collectives always match."""
+    """PPO epochs over the iteration's rollouts. Under FSDP a minibatch spans the ranks (each takes
+    its share of its own rollouts), each running as many passes (empty ones) as the busiest."""
     rank, world = rank_world()
     # a rollout without a leave-one-out group (NaN: its world failed) has no advantage at all
     keep = [i for i, a in enumerate(advantages.tolist())
@@ -1148,16 +1114,14 @@ def train_state(model, opt, optimizer):
 
 def save_checkpoint(run_dir, model, opt, iteration):
     """Written under a temporary name, then renamed: a kill at any moment leaves a complete
-    checkpoint of this iteration or of the one before (or none before the first).
-    No RNG state: every iteration seeds itself from (seed, iteration, rank)."""
+    checkpoint of this iteration or the one before. No RNG state: iterations seed themselves."""
     import torch.distributed.checkpoint as dcp
     path = os.path.join(run_dir, "checkpoint")
     tmp = path + ".tmp"
     rank = rank_world()[0]
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    # An optimizer that never stepped has no state; asked for one, get_state_dict would make it
-    # with a zero step, which AdamW counts (its bias correction would be one step off)
+    # a stateless AdamW (no step yet) saves none: get_state_dict would add a step 0 AdamW counts
     state = train_state(model, opt, optimizer=bool(opt.state))
     dcp.save(state | {"iteration": iteration}, checkpoint_id=tmp)  # all ranks
     if rank == 0:  # (the next save's collectives keep the other ranks from writing before this)
@@ -1168,8 +1132,7 @@ def save_checkpoint(run_dir, model, opt, iteration):
         shutil.rmtree(path + ".old", ignore_errors=True)
 
 def load_checkpoint(run_dir, model, opt):
-    """Restore weights and optimizer from the newest complete checkpoint; returns the iteration
-    it finished, or 0 if there is none yet (the run starts again from its model)."""
+    """Weights and AdamW from the newest complete checkpoint; returns its iteration (none: 0)."""
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.state_dict as sd
     paths = [os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.old")]
@@ -1242,34 +1205,17 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     valid = torch.tensor([not e.failed for e in episodes]).view(len(tasks), k)
     advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
     stats = update(model, opt, episodes, advantages, cfg)
-    looked, erred, recovered = behaviour(episodes)
     n, failures, reward, success, turns, tokens, looked, erred, recovered = all_reduce([
         len(episodes), sum(e.failed for e in episodes), (rewards * valid).sum().item(),
         sum(e.success for e in episodes), sum(1 + max(e.turn) for e in episodes),
-        sum(len(e.ids) for e in episodes), looked, erred, recovered])
+        sum(len(e.ids) for e in episodes), sum(e.looked_first for e in episodes),
+        sum(e.erred for e in episodes), sum(e.erred and e.success for e in episodes)])
     scored = max(n - failures, 1)  # reward and success: of the episodes whose world held up
     return {"iteration": iteration, "reward_mean": reward / scored,
             "success_rate": success / scored, "turns_mean": turns / n, "tokens_mean": tokens / n,
             "env_failures": int(failures), "looked_first": looked / n, "error_rate": erred / n,
             "recovered": recovered / max(erred, 1), **stats,
             "seconds": round(time.time() - started, 2)}
-
-LOOKUP = "apis.api_docs."
-"""Code that reads documentation: the behaviour the paper sees RL bring out."""
-
-def behaviour(episodes):
-    """Counts of two habits the paper sees RL change (§5): episodes whose first code reads the
-    docs, episodes that met an error, and of those the ones that still succeeded."""
-    looked = erred = recovered = 0
-    for e in episodes:
-        codes = [extract_code(m["content"]) for m in e.transcript if m["role"] == "assistant"]
-        replies = zip(e.transcript, e.transcript[1:])  # the observation after each turn
-        outputs = [m["content"] for turn, m in replies if turn["role"] == "assistant"]
-        looked += bool(codes) and LOOKUP in codes[0]
-        if any(o.startswith("Execution failed") for o in outputs):
-            erred += 1
-            recovered += e.success
-    return looked, erred, recovered
 
 def start_distributed():
     if "RANK" not in os.environ:
@@ -1280,16 +1226,14 @@ def start_distributed():
     atexit.register(stop_distributed)
 
 def stop_distributed():
-    # A rank that tore its process group down while another still wrote the model aborted
-    # (gloo: "terminate called without an active exception", 1 run in 12): wait for all first.
+    # a rank that tore it down while another still wrote the model aborted (gloo, 1 run in 12)
     dist.barrier()
     dist.destroy_process_group()
 
 def name_run_dir(cfg):
     """Rank 0 names the run directory, which every rank shares; nothing is written yet."""
-    world = rank_world()[1]
     name = [cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
-    if world > 1:
+    if dist.is_initialized():
         dist.broadcast_object_list(name)  # ranks that started a second apart share rank 0's
     run_dir = name[0]
     if not cfg.resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):

@@ -402,17 +402,15 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
     assert unequal and stopped_early  # padding, and cached positions after a stop, were masked
 
 
-@pytest.mark.parametrize("windowed", [False, True])
-def test_the_carried_cache_holds_the_live_episodes_and_little_else(tiny, monkeypatch, windowed):
+def test_the_carried_cache_holds_the_live_episodes_and_little_else(tiny, monkeypatch):
     """Episodes of unequal lengths at T = 1, turns that stop early, rows that leave mid-wave. Before
-    each turn the cache holds each live episode's cached tokens at its right end and nothing else
-    (the padding and post-stop tokens of earlier turns are gone), so its columns stay within 1.1 x
-    the longest row's tokens. Laid out for a sliding window, no row has padding between its tokens
-    even after the turn (the new segment follows the cached tokens column for column)."""
+    each turn the cache holds each live episode's first tokens at its right end and nothing else
+    (the padding and post-stop tokens of earlier turns are gone); after it, no row has padding
+    between its tokens (the new segment follows the cached ones column for column, as a sliding
+    window needs), and the columns stay within 1.1 x the longest row's tokens."""
     cfg, model, chat = tiny
     cfg = dataclasses.replace(cfg, batch_episodes=6, max_new_tokens=16)
     monkeypatch.setattr(chat, "stop_ids", _frequent_stops(chat, 0.05, seed=1))
-    monkeypatch.setattr(loop, "has_window", lambda model: windowed)
     generate, peaks = loop.generate, []
 
     def checked(model_, chat_, prompts, temperature, max_new_tokens, carry=None):
@@ -424,7 +422,7 @@ def test_the_carried_cache_holds_the_live_episodes_and_little_else(tiny, monkeyp
         peaks.append(carry.kv.get_seq_length() / max(carry.fed))
         for row, n in zip(carry.mask.tolist(), carry.fed):
             real = [c for c, m in enumerate(row) if m]
-            assert len(real) == n and (real[-1] - real[0] == n - 1 or not windowed)
+            assert len(real) == n and real[-1] - real[0] == n - 1
         return out
     monkeypatch.setattr(loop, "generate", checked)
     torch.manual_seed(2)
@@ -2551,22 +2549,23 @@ def test_each_iteration_samples_its_own_tasks_and_a_resumed_one_samples_the_same
     assert all(tasks[i] == tasks[i - i % 3] for tasks in drawn for i in range(12))
 
 
-def test_behaviour_counts_looking_first_and_recovering():
-    env = loop.TinyWorld("order00_1")
+def test_behaviour_counts_looking_first_and_recovering(tiny):
+    """An episode looked first when its first turn's code reads the docs, and erred when it met an
+    error observation; recovered (in the metrics) is erred and still succeeded."""
+    cfg, _, chat = tiny
+    docs, order = 'print(apis.api_docs.show(app="shop"))', "apis.shop.order(item=1)"
 
-    def episode(codes, outputs, success):
-        transcript = env.messages()
-        for code, output in zip(codes, outputs):
-            transcript += [{"role": "assistant", "content": fence(code)}, {"role": "user", "content": output}]
-        return loop.Episode("x", env, [], [], [], transcript, success=success)
+    def episode(codes, outputs):
+        e = loop.new_episode(loop.TinyWorld("order00_1"), "order00_1", chat)
+        for turn, (code, output) in enumerate(zip(codes, outputs)):
+            loop.act(e, chat.encode(fence(code)) + [chat.eot], turn, chat, cfg)
+            loop.observe(e, output, False, chat, cfg)
+        return e.looked_first, e.erred
 
-    looked = episode(['print(apis.api_docs.show(app="shop"))', "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"], True)
-    recovered = episode(["apis.shop.order(item=1)", 'print(apis.api_docs.show(app="shop"))'],
-                        ["Execution failed. AttributeError: x", "shop.buy(item)"], True)
-    gave_up = episode(["apis.shop.order(item=1)", "apis.supervisor.complete_task()"],
-                      ["Execution failed. AttributeError: x", "Execution successful."], False)
-    assert loop.behaviour([looked, recovered, gave_up]) == (1, 2, 1)
-    assert loop.behaviour([episode(["print(1)"], ["1"], False)]) == (0, 0, 0)
+    assert episode([docs, "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"]) == (True, False)
+    assert episode([order, docs], ["Execution failed. AttributeError: x", "shop.buy(item)"]) == (False, True)
+    assert episode(["print(1)", docs], ["1", "Execution failed. KeyError: x"]) == (False, True)  # read late
+    assert episode(["Let me think."], ["Execution successful."]) == (False, False)  # no code at all
 
 
 def test_behaviour_figure_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):

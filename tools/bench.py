@@ -243,10 +243,6 @@ def measure(name, cfg):
         return peak_memory(sft, device)
     pairs = [(seconds(loop_update, device), seconds(sft, device)) for _ in range(5)]  # alternating
     cache_ratio, uneven_prefill_ratio, uneven_seconds = cache_figures(model, chat, cfg)
-    has_window = loop.has_window
-    loop.has_window = lambda model: True  # laid out as a sliding-window model's cache is
-    windowed = cache_figures(model, chat, cfg)
-    loop.has_window = has_window
     prompts = [chat.prompt(loop.TinyWorld(t).messages()) for t in loop.TinyWorld.tasks("test")[:8]]
     chat.stop_ids = [len(chat.tok)]  # no id stops a turn: 64 tokens each, batched or not
 
@@ -262,7 +258,7 @@ def measure(name, cfg):
             "batch_speedup": median(speedups), "prefill_ratio": carried,
             "reprefill_ratio": reprefilled, "carry_speedup": carry_speedup,
             "cache_ratio": cache_ratio, "uneven_prefill_ratio": uneven_prefill_ratio,
-            "uneven_rollout_s": uneven_seconds, "windowed": windowed}
+            "uneven_rollout_s": uneven_seconds}
 
 
 def in_fresh_process(name, cfg):
@@ -293,8 +289,6 @@ def bench(cfg):
             "cache_ratio": round(speed["cache_ratio"], 3),  # peak KV columns / longest row's tokens
             "uneven_prefill_ratio": round(speed["uneven_prefill_ratio"], 3),  # uneven rows
             "uneven_rollout_seconds": round(speed["uneven_rollout_s"], 2),  # 8 x 6 turns, uneven
-            # the three as a sliding-window model's cache is laid out (no padding between tokens)
-            "windowed": [round(x, 3) for x in speed["windowed"]],
             "env_parallel_speedup": round(env_speedup, 2),  # 4 steps of 1 s: one by one / together
             "update_peak_mem_mb": round(loop_mem / 2**20, 1),
             "sft_peak_mem_mb": round(sft_mem / 2**20, 1),
