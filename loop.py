@@ -721,7 +721,7 @@ class Episode:
 
 def new_episode(env, task_id, chat, messages=None):
     messages = messages or env.messages()
-    e = Episode(task_id, env, [], [], [], list(messages), done=env.done)  # (no world: no turn)
+    e = Episode(task_id, env, [], [], [], list(messages), done=env.done)  # failed start: no turn
     e.add(chat.prompt(messages))
     return e
 

@@ -2300,15 +2300,27 @@ def test_the_empty_pass_of_a_rank_without_rollouts_is_valid_for_every_ratio(kind
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
-def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(monkeypatch):
-    """A finite loss whose gradient is NaN (an overflow in backward) moves no weight: the step is
-    skipped and counted in skipped_nan, and the next minibatch steps as usual."""
+def _one_minibatch_twice():
+    """Settings of one minibatch and 2 epochs, a model, 8 synthetic rollouts, and a copy of the
+    model after 1 epoch (one SGD step)."""
     import copy
     cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--micro-batch-size", "8"])
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
     eps, adv = _synthetic_episodes(loop.Chat(tok))
     one_step = copy.deepcopy(model)
     loop.update(one_step, torch.optim.SGD(one_step.parameters(), lr=0.1), eps, adv, dataclasses.replace(cfg, epochs=1))
+    return cfg, model, eps, adv, one_step
+
+
+def _as_after_one_step(model, one_step):
+    for p, q in zip(model.parameters(), one_step.parameters()):
+        assert torch.isfinite(p).all() and torch.allclose(p, q, atol=1e-6)
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(monkeypatch):
+    """A finite loss whose gradient is NaN (an overflow in backward) moves no weight: the step is
+    skipped and counted in skipped_nan, and the next minibatch steps as usual."""
+    cfg, model, eps, adv, one_step = _one_minibatch_twice()
     loop_loss, passes = loop.loop_loss, [0]
 
     def nan_gradient(logp, *args):
@@ -2321,19 +2333,13 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(monkeypatch)
     stats = loop.update(model, torch.optim.SGD(model.parameters(), lr=0.1), eps, adv, cfg)
     assert passes[0] == 2 and stats["skipped_nan"] == 1 and stats["steps"] == 1
     assert math.isfinite(stats["grad_norm"])
-    for p, q in zip(model.parameters(), one_step.parameters()):
-        assert torch.isfinite(p).all() and torch.allclose(p, q, atol=1e-6)
+    _as_after_one_step(model, one_step)
 
 
 def test_a_minibatch_whose_loss_is_not_finite_moves_no_weight(monkeypatch):
     """Two epochs of one minibatch; the second pass's log-probs turn NaN, as an overflow in the
     forward pass would make them: that step is skipped, and the weights are those of the first."""
-    import copy
-    cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--micro-batch-size", "8"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
-    eps, adv = _synthetic_episodes(loop.Chat(tok))
-    one_step = copy.deepcopy(model)
-    loop.update(one_step, torch.optim.SGD(one_step.parameters(), lr=0.1), eps, adv, dataclasses.replace(cfg, epochs=1))
+    cfg, model, eps, adv, one_step = _one_minibatch_twice()
     token_logprobs, passes = loop.token_logprobs, [0]
 
     def overflowing(model, ids, attn, temperature):
@@ -2343,8 +2349,7 @@ def test_a_minibatch_whose_loss_is_not_finite_moves_no_weight(monkeypatch):
     monkeypatch.setattr(loop, "token_logprobs", overflowing)
     stats = loop.update(model, torch.optim.SGD(model.parameters(), lr=0.1), eps, adv, cfg)
     assert passes[0] == 2 and stats["skipped_nan"] == 1 and stats["steps"] == 1
-    for p, q in zip(model.parameters(), one_step.parameters()):
-        assert torch.isfinite(p).all() and torch.allclose(p, q, atol=1e-6)
+    _as_after_one_step(model, one_step)
 
 
 def test_lora_trains_and_saves_only_the_adapter(tmp_path):

@@ -10,6 +10,7 @@ re-prefilled every turn, and 8 of unequal lengths for the cache's size; environm
 1 s of CPU each in processes of their own.
 """
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -219,7 +220,7 @@ def env_parallel_speedup():
             world.step("")
         one_by_one = time.perf_counter() - start
         start = time.perf_counter()
-        loop.together([world.step for world in worlds])
+        loop.together([functools.partial(world.step, "") for world in worlds])
         ratios.append(one_by_one / (time.perf_counter() - start))
     pool.close()
     pool.join()
