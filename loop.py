@@ -909,8 +909,8 @@ def loo_advantages(rewards, normalize=False, valid=None):
 # 6. The clipped objective (Eq. 5) and its per-turn / per-trajectory / on-policy variants
 def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
     """Per-rollout loss (to minimise) and number of clipped tokens. logp, old_logp, mask, turn:
-    [B, T] over target tokens; adv: [B]. Each rollout's loss is the
-    mean over its own output tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
+    [B, T] over target tokens; adv: [B]. Each rollout's loss is the mean over its own output
+    tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
     mask = mask.to(logp.dtype)
     n = mask.sum(1).clamp(min=1)
     a = adv[:, None]
@@ -1271,11 +1271,11 @@ def main(argv=None):
     ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
     model, tok = load_model_and_tokenizer(cfg, device)
     chat = Chat(tok, model.generation_config.eos_token_id)
-    make_run_dir(run_dir, cfg)  # only now: a start that failed leaves no run directory behind
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable and not cfg.eval:  # a LoRA run's model/ loads its adapter frozen
         die(f"{cfg.model} has no weights to train: evaluate it with --eval, or continue the run "
             "that made it with --resume")
+    make_run_dir(run_dir, cfg)  # only now: a start that failed leaves no run directory behind
     opt = None
     if trainable:
         opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -2378,6 +2378,7 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     r = _cli("--tiny", "--model", str(out / "model"), "--out", str(tmp_path / "more"), cwd=elsewhere)
     assert r.returncode == 2 and "has no weights to train" in r.stderr.splitlines()[-1]
+    assert not (tmp_path / "more").exists()  # a start that failed leaves no run directory
     from torch.distributed.checkpoint import FileSystemReader
     keys = FileSystemReader(str(out / "checkpoint")).read_metadata().state_dict_metadata
     assert all("lora_" in k for k in keys if k.startswith("model."))
