@@ -1096,13 +1096,14 @@ def test_bad_flag_and_missing_model_path(tmp_path, capsys):
 def _fake_runs(root):
     """Two seeds of LOOP and of per-turn ratios, plus an evaluation-only run and an unfinished run,
     which the report must leave out. TGC at iterations 0/10/20 and clip fractions are chosen by hand."""
-    runs = {"token-0": ("token", [0, .2, .6], [0, 0, 1 / 3], [.1, .3]), "token-1": ("token", [0, .4, .4], [0, 1 / 3, 1 / 3], [.2, .2]),
-            "turn-0": ("turn", [0, 0, .2], [0, 0, 0], [.4, .6]), "turn-1": ("turn", [0, .1, .3], [0, 0, 1 / 3], [.5, .5]),
+    runs = {"token-0": ("token", [0, .6, .9], [0, 0, 1 / 3], [.1, .3]), "token-1": ("token", [0, .4, .5], [0, 1 / 3, 1 / 3], [.1, .1]),
+            "turn-0": ("turn", [0, 0, .2], [0, 0, 0], [.4, .6]), "turn-1": ("turn", [0, .1, .4], [0, 0, 1 / 3], [.5, .5]),
             "evalonly-0": ("token", [0], [0], []), "turn-2": ("turn", [0, .9], [0, 1], [.9])}
     for name, (ratio, tgc, sgc, clip) in runs.items():
         (root / name).mkdir()
         its = 0 if name.startswith("evalonly") else 20
-        (root / name / "config.json").write_text(json.dumps({"iterations": its, "ratio": ratio, "normalize_rewards": False}))
+        cfg = {"iterations": its, "ratio": ratio, "normalize_rewards": False, "seed": int(name[-1])}
+        (root / name / "config.json").write_text(json.dumps(cfg))
         rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 100.0 + 50 * i}
                 for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c, "kl": 2 * c} for i, c in enumerate(clip)]
         (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -1114,13 +1115,22 @@ def _fake_runs(root):
 def test_ablation_report_by_hand(tmp_path, capsys):
     _fake_runs(tmp_path)
     ablation.main(["--report", str(tmp_path)])
-    # LOOP's mean TGC by iteration: 0, 30, 50 -> half of its final is 25: LOOP reaches it at 10,
-    # per-turn (0, 5, 25) at 20. Spread is min-max over seeds; KL is twice the clip fraction in
-    # these rows; wall time is the last row's seconds.
-    rows = capsys.readouterr().out.splitlines()[2:]
-    assert rows == ["| per-token (LOOP) | 2 | 50.0 (40.0-60.0) | 33.3 (33.3-33.3) | 10 | 0.200 | 0.400 | 200 |",
-                    "| per-turn | 2 | 25.0 (20.0-30.0) | 16.7 (0.0-33.3) | 20 | 0.500 | 1.000 | 200 |"]
-    assert (tmp_path / "ablation.md").read_text().splitlines()[2:] == rows
+    # Per seed: LOOP 0 reaches 50% at 10 and 90% at 20, LOOP 1 50% at 20 and never 90%, per-turn
+    # neither. AUC by trapezoids over 0..20: LOOP 0 (10 * .3 + 10 * .75) / 20 = 52.5%, LOOP 1
+    # (2 + 4.5) / 20 = 32.5%, per-turn (0 + 1) / 20 = 5% and (.5 + 2.5) / 20 = 15%. Spread is
+    # min-max over seeds; per-turn's AUC minus LOOP's on the same seed: 5 - 52.5 and 15 - 32.5. KL
+    # is twice the clip fraction in these rows; wall time the last row's.
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2:4] == [
+        "| per-token (LOOP) | 2 | 15.0 (10-20) | 20.0 (20-20), 1 never | 42.5 (32.5-52.5) | - | 70.0 (50.0-90.0) | "
+        "33.3 (33.3-33.3) | 0.150 (0.100-0.200) | 0.300 (0.200-0.400) | 200 |",
+        "| per-turn | 2 | never | never | 10.0 (5.0-15.0) | -32.5 (-47.5 to -17.5) | 30.0 (20.0-40.0) | 16.7 (0.0-33.3) | "
+        "0.500 (0.500-0.500) | 1.000 (1.000-1.000) | 200 |"]
+    assert rows[7:] == ["| per-token (LOOP) | 0 | 10 | 20 | 52.5 | 90.0 | 33.3 | 0.200 | 0.400 |",
+                        "| per-token (LOOP) | 1 | 20 | - | 32.5 | 50.0 | 33.3 | 0.100 | 0.200 |",
+                        "| per-turn | 0 | - | - | 5.0 | 20.0 | 0.0 | 0.500 | 1.000 |",
+                        "| per-turn | 1 | - | - | 15.0 | 40.0 | 33.3 | 0.500 | 1.000 |"]
+    assert (tmp_path / "ablation.md").read_text().splitlines() == rows
 
 
 def test_ablation_report_draws_learning_curves(tmp_path):
@@ -1155,7 +1165,7 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     assert json.loads((tmp_path / "rwnorm-0" / "config.json").read_text())["normalize_rewards"]
     assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
     table = (tmp_path / "ablation.md").read_text().splitlines()
-    assert len(table) == 7 and table[2].startswith("| per-token (LOOP) | 1 |")
+    assert len(table) == 15 and table[2].startswith("| per-token (LOOP) | 1 |")
     # Again, after one run was cut off before it saved its model: only that one runs, resumed.
     import shutil
     shutil.rmtree(tmp_path / "turn-0" / "model")

@@ -1,13 +1,18 @@
 """The paper's Table 1 ablation in miniature: five variants of the objective on the tiny world.
 
+    # where learning is not saturated: 2 tasks x 6 rollouts an iteration at lr 1.5e-5
+    python tools/ablation.py --seeds 0 1 2 3 4 --iterations 45 --config tools/ablation_hard.json \
+        --out runs/ablation-hard
+    # the first sweep, saturated: --tiny's settings
     python tools/ablation.py --seeds 0 1 2 --iterations 20 --eval-every 5 --out runs/ablation
-    python tools/ablation.py --report runs/ablation      # only redraw the table and the figure
+    python tools/ablation.py --report runs/ablation-hard   # only redraw the tables and the figure
 
 Every variant of every seed trains from the shipped tiny model (`--tiny`: assets/tiny-model)
 with the same budget; the seed sets the tasks and the sampling. Runs that finished are skipped
 and interrupted ones resumed, so a sweep that was stopped continues where it was. Flags this
-script does not know go to every loop.py run (for example `--tasks-per-iteration 2` for a quick try). The table goes to
-stdout and DIR/ablation.md; with matplotlib installed, the learning curves go to DIR/ablation.png.
+script does not know go to every loop.py run (`--config FILE` of settings over --tiny's, or
+`--tasks-per-iteration 2` for a quick try). The tables go to stdout and DIR/ablation.md; with
+matplotlib installed, the learning curves go to DIR/ablation.png.
 """
 import argparse
 import json
@@ -51,8 +56,9 @@ def run_once(run, iterations, flags):
 
 
 def finished_runs(root):
-    """{(ratio, normalize_rewards): [(evaluations by iteration, training rows), ...]} of the runs
-    under root that reached their last iteration; evaluation-only runs and others are left out."""
+    """{(ratio, normalize_rewards): [(seed, evaluations by iteration, training rows), ...]} of the
+    runs under root that reached their last iteration; evaluation-only runs and others are left
+    out."""
     runs = {}
     for name in sorted(os.listdir(root)):
         config = os.path.join(root, name, "config.json")
@@ -65,8 +71,30 @@ def finished_runs(root):
         curve = {r["iteration"]: r for r in rows if "split" in r}
         if cfg["iterations"] and max(curve, default=-1) == cfg["iterations"]:
             training = [r for r in rows if "split" not in r]
-            runs.setdefault((cfg["ratio"], cfg["normalize_rewards"]), []).append((curve, training))
+            key = (cfg["ratio"], cfg["normalize_rewards"])
+            runs.setdefault(key, []).append((cfg["seed"], curve, training))
+    for seeds in runs.values():
+        seeds.sort(key=lambda run: run[0])
     return runs
+
+
+def seed_figures(curve, training):
+    """One run's figures: the first evaluation at which held-out TGC reaches 50% and 90% (None if
+    it never does), the area under the TGC curve as a share of the perfect one (trapezoids over the
+    evaluations: 1.0 is 100% from the start), final TGC and SGC, the clip fraction and KL estimate
+    of its updates (means over iterations) and its wall time."""
+    its = sorted(curve)
+    tgc = [curve[i]["tgc"] for i in its]
+
+    def first(level):
+        return next((i for i, value in zip(its, tgc) if value >= level), None)
+    area = sum((b - a) * (ta + tb) / 2 for a, b, ta, tb in zip(its, its[1:], tgc, tgc[1:]))
+    final = curve[its[-1]]
+    return {"to50": first(0.5), "to90": first(0.9),
+            "auc": area / (its[-1] - its[0]) if len(its) > 1 else tgc[0],
+            "tgc": final["tgc"], "sgc": final["sgc"],
+            "clip": loop.mean([r["clip_fraction"] for r in training]),
+            "kl": loop.mean([r["kl"] for r in training]), "seconds": final["seconds"]}
 
 
 def pct(values):
@@ -74,38 +102,67 @@ def pct(values):
     return f"{100 * loop.mean(values):.1f} ({100 * min(values):.1f}-{100 * max(values):.1f})"
 
 
+def spread(values):
+    return f"{loop.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def iterations(values):
+    """Mean iteration over the seeds that got there, their range, and how many never did."""
+    reached = [v for v in values if v is not None]
+    text = f"{loop.mean(reached):.1f} ({min(reached)}-{max(reached)})" if reached else "never"
+    missed = len(values) - len(reached)
+    return text + (f", {missed} never" if reached and missed else "")
+
+
+def paired(runs, figures, key):
+    """The variant's TGC AUC minus LOOP's on each seed both ran, in points: seeds differ more than
+    variants do (their tasks and samples differ), so the comparison is made within a seed."""
+    loop_key = ("token", False)
+    if key == loop_key or loop_key not in runs:
+        return "-"
+    loop_auc = {seed: f["auc"] for (seed, _, _), f in zip(runs[loop_key], figures[loop_key])}
+    diffs = [100 * (f["auc"] - loop_auc[seed])
+             for (seed, _, _), f in zip(runs[key], figures[key]) if seed in loop_auc]
+    if not diffs:
+        return "-"
+    return f"{loop.mean(diffs):+.1f} ({min(diffs):+.1f} to {max(diffs):+.1f})"
+
+
 def report(root):
-    """Held-out TGC/SGC at the last iteration, the first evaluation at which the seed-mean TGC
-    reaches half of LOOP's final one, the update's clip fraction and KL estimate (means over
-    iterations) and the wall time per run."""
+    """Two tables, to stdout and DIR/ablation.md: each variant over its seeds (mean, lowest and
+    highest seed in brackets), then every run; the learning curves to DIR/ablation.png."""
     if not os.path.isdir(root):
         loop.die(f"--report: no directory {root}")
     runs = finished_runs(root)
     if not runs:
         loop.die(f"--report: no finished runs (config.json and metrics.jsonl) under {root}")
     order = sorted(runs, key=lambda key: list(VARIANTS).index(key) if key in VARIANTS else 99)
-    # each variant's TGC per seed at the evaluations all its seeds share: the table's and figure's
-    curves = {}
-    for key, seeds in runs.items():
-        shared = sorted(set.intersection(*(set(curve) for curve, _ in seeds)))
-        curves[key] = {i: [curve[i]["tgc"] for curve, _ in seeds] for i in shared}
-    loop_curve = curves.get(("token", False))
-    half = 0.5 * loop.mean(loop_curve[max(loop_curve)]) if loop_curve else 0.0
-    lines = ["| variant | seeds | final TGC % | final SGC % | iterations to half LOOP's TGC | "
-             "clip fraction | KL | wall s |", "|---|---|---|---|---|---|---|---|"]
+    figures = {key: [seed_figures(curve, rows) for _, curve, rows in runs[key]] for key in order}
+    lines = ["| variant | seeds | iterations to 50% TGC | iterations to 90% TGC | TGC AUC % | "
+             "AUC - LOOP's, same seed | final TGC % | final SGC % | clip fraction | KL | wall s |",
+             "|---" * 11 + "|"]
     for key in order:
-        seeds = runs[key]
-        finals = [curve[max(curve)] for curve, _ in seeds]
-        reached = [i for i, tgc in curves[key].items() if half > 0 and loop.mean(tgc) >= half]
-        clip = loop.mean([loop.mean([r["clip_fraction"] for r in rows]) for _, rows in seeds])
-        kl = loop.mean([loop.mean([r["kl"] for r in rows]) for _, rows in seeds])
-        lines.append(f"| {label(key)} | {len(seeds)} | {pct([r['tgc'] for r in finals])} | "
-                     f"{pct([r['sgc'] for r in finals])} | {reached[0] if reached else '-'} | "
-                     f"{clip:.3f} | {kl:.3f} | {loop.mean([r['seconds'] for r in finals]):.0f} |")
+        f = {name: [seed[name] for seed in figures[key]] for name in figures[key][0]}
+        lines.append(f"| {label(key)} | {len(f['tgc'])} | {iterations(f['to50'])} | "
+                     f"{iterations(f['to90'])} | {pct(f['auc'])} | {paired(runs, figures, key)} | "
+                     f"{pct(f['tgc'])} | {pct(f['sgc'])} | {spread(f['clip'])} | "
+                     f"{spread(f['kl'])} | {loop.mean(f['seconds']):.0f} |")
+    lines += ["", "| variant | seed | to 50% | to 90% | TGC AUC % | final TGC % | final SGC % | "
+              "clip fraction | KL |", "|---" * 9 + "|"]
+    for key in order:
+        for (seed, _, _), f in zip(runs[key], figures[key]):
+            lines.append(f"| {label(key)} | {seed} | {f['to50'] if f['to50'] is not None else '-'}"
+                         f" | {f['to90'] if f['to90'] is not None else '-'} | {100 * f['auc']:.1f}"
+                         f" | {100 * f['tgc']:.1f} | {100 * f['sgc']:.1f} | {f['clip']:.3f} | "
+                         f"{f['kl']:.3f} |")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(root, "ablation.md"), "w") as fh:
         fh.write(table + "\n")
+    curves = {}  # each variant's TGC per seed at the evaluations all its seeds share
+    for key in order:
+        shared = sorted(set.intersection(*(set(curve) for _, curve, _ in runs[key])))
+        curves[key] = {i: [curve[i]["tgc"] for _, curve, _ in runs[key]] for i in shared}
     plot(root, order, curves, {key: len(seeds) for key, seeds in runs.items()})
 
 
@@ -132,7 +189,7 @@ def plot(root, order, curves, n_seeds):
                         alpha=0.12)
     ax.set(xlabel="iteration", ylabel="held-out TGC %", ylim=(0, 100),
            title="mean over seeds; band: lowest to highest seed")
-    ax.legend(loc="upper left", ncol=2, fontsize="small")
+    ax.legend(loc="lower right", ncol=2, fontsize="small")
     fig.tight_layout()
     fig.savefig(os.path.join(root, "ablation.png"), dpi=120)
 
