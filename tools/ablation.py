@@ -97,13 +97,13 @@ def seed_figures(curve, training):
             "kl": loop.mean([r["kl"] for r in training]), "seconds": final["seconds"]}
 
 
+def spread(values, digits=".3f"):
+    """Mean over seeds, with the lowest and highest seed in brackets."""
+    return f"{loop.mean(values):{digits}} ({min(values):{digits}}-{max(values):{digits}})"
+
+
 def pct(values):
-    """Mean over seeds, with the lowest and highest seed in brackets, in percent."""
-    return f"{100 * loop.mean(values):.1f} ({100 * min(values):.1f}-{100 * max(values):.1f})"
-
-
-def spread(values):
-    return f"{loop.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+    return spread([100 * v for v in values], ".1f")
 
 
 def iterations(values):
@@ -114,15 +114,14 @@ def iterations(values):
     return text + (f", {missed} never" if reached and missed else "")
 
 
-def paired(runs, figures, key):
+def paired(figures, key):
     """The variant's TGC AUC minus LOOP's on each seed both ran, in points: seeds differ more than
     variants do (their tasks and samples differ), so the comparison is made within a seed."""
     loop_key = ("token", False)
-    if key == loop_key or loop_key not in runs:
+    if key == loop_key or loop_key not in figures:
         return "-"
-    loop_auc = {seed: f["auc"] for (seed, _, _), f in zip(runs[loop_key], figures[loop_key])}
-    diffs = [100 * (f["auc"] - loop_auc[seed])
-             for (seed, _, _), f in zip(runs[key], figures[key]) if seed in loop_auc]
+    loop_auc = {f["seed"]: f["auc"] for f in figures[loop_key]}
+    diffs = [100 * (f["auc"] - loop_auc[f["seed"]]) for f in figures[key] if f["seed"] in loop_auc]
     if not diffs:
         return "-"
     return f"{loop.mean(diffs):+.1f} ({min(diffs):+.1f} to {max(diffs):+.1f})"
@@ -137,23 +136,24 @@ def report(root):
     if not runs:
         loop.die(f"--report: no finished runs (config.json and metrics.jsonl) under {root}")
     order = sorted(runs, key=lambda key: list(VARIANTS).index(key) if key in VARIANTS else 99)
-    figures = {key: [seed_figures(curve, rows) for _, curve, rows in runs[key]] for key in order}
+    figures = {key: [{"seed": seed, **seed_figures(curve, rows)} for seed, curve, rows in runs[key]]
+               for key in order}
     lines = ["| variant | seeds | iterations to 50% TGC | iterations to 90% TGC | TGC AUC % | "
              "AUC - LOOP's, same seed | final TGC % | final SGC % | clip fraction | KL | wall s |",
              "|---" * 11 + "|"]
     for key in order:
         f = {name: [seed[name] for seed in figures[key]] for name in figures[key][0]}
         lines.append(f"| {label(key)} | {len(f['tgc'])} | {iterations(f['to50'])} | "
-                     f"{iterations(f['to90'])} | {pct(f['auc'])} | {paired(runs, figures, key)} | "
+                     f"{iterations(f['to90'])} | {pct(f['auc'])} | {paired(figures, key)} | "
                      f"{pct(f['tgc'])} | {pct(f['sgc'])} | {spread(f['clip'])} | "
                      f"{spread(f['kl'])} | {loop.mean(f['seconds']):.0f} |")
     lines += ["", "| variant | seed | to 50% | to 90% | TGC AUC % | final TGC % | final SGC % | "
               "clip fraction | KL |", "|---" * 9 + "|"]
     for key in order:
-        for (seed, _, _), f in zip(runs[key], figures[key]):
-            lines.append(f"| {label(key)} | {seed} | {f['to50'] if f['to50'] is not None else '-'}"
-                         f" | {f['to90'] if f['to90'] is not None else '-'} | {100 * f['auc']:.1f}"
-                         f" | {100 * f['tgc']:.1f} | {100 * f['sgc']:.1f} | {f['clip']:.3f} | "
+        for f in figures[key]:
+            to50, to90 = ("-" if f[k] is None else f[k] for k in ("to50", "to90"))
+            lines.append(f"| {label(key)} | {f['seed']} | {to50} | {to90} | {100 * f['auc']:.1f} | "
+                         f"{100 * f['tgc']:.1f} | {100 * f['sgc']:.1f} | {f['clip']:.3f} | "
                          f"{f['kl']:.3f} |")
     table = "\n".join(lines)
     print(table)
