@@ -907,9 +907,11 @@ def loo_advantages(rewards, normalize=False, valid=None):
 
 
 # 6. The clipped objective (Eq. 5) and its per-turn / per-trajectory / on-policy variants
+LOG_RATIO_BOUND = 40.0  # |log r| past this: no gradient (exp(40) x 3k tokens stays finite)
+
 def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
-    """Per-rollout loss (to minimise) and number of clipped tokens. logp, old_logp, mask, turn:
-    [B, T] over target tokens; adv: [B]. Each rollout's loss is the mean over its own output
+    """Per-rollout loss (to minimise) and number of clipped (or bounded) tokens. logp, old_logp,
+    mask, turn: [B, T] over target tokens; adv: [B]. Each rollout's loss is the mean over its own output
     tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
     mask = mask.to(logp.dtype)
     n = mask.sum(1).clamp(min=1)
@@ -924,13 +926,14 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
         log_r = torch.einsum("bj,btj->bt", per_turn, onehot)
     elif ratio == "trajectory":  # one ratio per rollout: prod_t r_t
         log_r = log_r.sum(1, keepdim=True).expand_as(mask)
-    # With A > 0 the clip decides above 1 + eps (no gradient): bounding log r there first keeps a
-    # summed log-ratio over 88 from overflowing exp (0 x inf in backward: a NaN gradient)
-    over = (a > 0) & (log_r > math.log(1 + eps))
-    r = torch.exp(torch.where(a > 0, log_r.clamp(max=math.log(1 + eps)), log_r))
+    # log r bounded before exp for every sign of A (exp is inf past 88 in float32: an inf loss for
+    # A < 0, NaN for A = 0 and in backward): where A > 0 the clip decides above 1 + eps anyway
+    high = torch.where(a > 0, math.log(1 + eps), LOG_RATIO_BOUND)
+    bounded = torch.where(log_r > high, high, log_r.clamp(min=-LOG_RATIO_BOUND))
+    r = torch.exp(bounded)
     clipped = torch.clamp(r, 1 / (1 + eps), 1 + eps)
     objective = torch.minimum(r * a, clipped * a)  # Eq. 5
-    n_clipped = ((over | ((clipped * a) < (r * a))) & mask.bool()).sum()
+    n_clipped = (((bounded != log_r) | ((clipped * a) < (r * a))) & mask.bool()).sum()
     return -(objective * mask).sum(1) / n, n_clipped
 
 

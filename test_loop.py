@@ -132,13 +132,35 @@ def test_per_trajectory_objective():
     assert n_clipped == 3
 
 
+def _eq5_unbounded(logp, adv, kind, eps=0.1):
+    """Eq. 5 as written for the rollout of MASK with one turn, in float64, log r unbounded."""
+    r = (logp - OLD.double())[0, 1:4].sum().exp()  # one turn: the turn's ratio is the rollout's
+    return -torch.minimum(r * adv, r.clamp(1 / (1 + eps), 1 + eps) * adv).mean()
+
+
 @pytest.mark.parametrize("kind", ["turn", "trajectory"])
-def test_a_summed_log_ratio_past_exps_range_keeps_a_finite_gradient(kind):
-    """Summed log r = 100 (exp overflows past 88.7 in fp32), A = 0.5: the clip decides, so the loss is
-    -1.1 A and the gradient 0; unbounded, 0 x inf in backward made it NaN under a finite loss."""
+@pytest.mark.parametrize("adv", [0.5, -0.5, 0.0])
+def test_a_summed_log_ratio_of_any_size_keeps_loss_and_gradient_finite(kind, adv):
+    """A summed log r from -300 to 300 (exp overflows past 88.7 in float32): for every sign of A
+    the loss and the gradient stay finite; where |sum log r| <= 40 both are Eq. 5's, unbounded, to
+    float32 precision. Unbounded, A < 0 gave an inf loss, A = 0 a NaN, A > 0 a NaN gradient."""
+    turn = torch.tensor([[-1, 0, 0, 0, -1]])  # for "turn" the three output tokens are one turn
+    for total in [-300.0, -100.0, -40.0, -5.0, -0.05, 0.0, 0.04, 0.3, 5.0, 40.0, 88.0, 100.0, 300.0]:
+        logp = OLD.clone()
+        logp[0, 1:4] += torch.tensor([0.5, 0.3, 0.2]) * total
+        logp.requires_grad_(True)
+        loss, _ = loop.loop_loss(logp, OLD, torch.tensor([adv]), MASK, turn, kind, 0.1)
+        loss.sum().backward()
+        assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all(), (total, loss, logp.grad)
+        if abs(total) <= 40:
+            exact = logp.detach().double().requires_grad_(True)
+            reference = _eq5_unbounded(exact, adv, kind)
+            reference.backward()
+            assert loss.item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-6), total
+            assert logp.grad.double() == pytest.approx(exact.grad, rel=1e-5, abs=1e-6), total
+    # A > 0 past the clip: -1.1 A and no gradient, the tokens counted as clipped
     logp = OLD.clone()
-    logp[0, 1:4] += torch.tensor([40.0, 30.0, 30.0])  # for "turn" the three tokens are one turn
-    turn = torch.tensor([[-1, 0, 0, 0, -1]]) if kind == "turn" else TURN
+    logp[0, 1:4] += torch.tensor([40.0, 30.0, 30.0])
     logp.requires_grad_(True)
     loss, n_clipped = loop.loop_loss(logp, OLD, torch.tensor([0.5]), MASK, turn, kind, 0.1)
     loss.sum().backward()
