@@ -328,6 +328,9 @@ class Chat:
                 print("note: the chat template rejects a system message: its text starts the "
                       "first user message", file=sys.stderr)
         self.eot_text, self.pre, self.post = self.turn_end()
+        # a reasoning template (QwQ, DeepSeek-R1-Distill) may open the reply's <think> itself
+        opened = self.post.rsplit("</think>", 1)[-1]
+        self.reply_start = opened[opened.index("<think>"):] if "<think>" in opened else ""
         self.eot = tok.convert_tokens_to_ids(self.eot_text)
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
         self.stop_ids = sorted({self.eot, tok.eos_token_id, *eos_ids} - {None})
@@ -862,7 +865,8 @@ def act(e, new, turn, chat, cfg):
     """The sampled turn joins the episode as actions; returns the code in it."""
     new = new[:cfg.max_context - len(e.ids)]
     e.add(new, output=True, turn=turn)
-    text = chat.tok.decode(new, skip_special_tokens=True)  # whole turns: characters stay intact
+    # whole turns: characters stay intact; read as the template renders it, after its <think>
+    text = chat.reply_start + chat.tok.decode(new, skip_special_tokens=True)
     e.transcript.append({"role": "assistant", "content": text})
     code = extract_code(text)
     e.looked_first = e.looked_first or (turn == 0 and LOOKUP in code)

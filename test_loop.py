@@ -1430,6 +1430,25 @@ def test_qwen3_episode_keeps_the_thinking_its_template_drops():
     assert e.ids == rendered
 
 
+def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answer():
+    """QwQ-32B's and DeepSeek-R1-Distill's generation prompts end in "<think>\n": the sampled reply
+    holds "</think>" but no "<think>". A reply cut off while reasoning runs none of its drafts; a
+    finished one runs the code after "</think>". Qwen3's prompt opens nothing."""
+    tok, eos = family_tokenizer("qwen3")
+    assert loop.Chat(tok, eos).reply_start == ""
+    tok.chat_template = FAMILIES["qwen3"]["template"].replace(
+        "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    chat = loop.Chat(tok, eos)
+    assert chat.reply_start == "<think>\n" and chat.render([{"role": "user", "content": "u"}]).endswith("<think>\n")
+    env, cfg = loop.TinyWorld("order00_1"), loop.Config()
+    e = loop.new_episode(env, "order00_1", chat)
+    cut = "Draft:\n```python\napis.supervisor.complete_task(answer=0)"  # max_new_tokens reached
+    assert loop.act(e, chat.encode(cut, literal=True), 0, chat, cfg) == ""
+    assert e.transcript[-1]["content"] == "<think>\n" + cut  # the reply as the template renders it
+    done = "Look first.\n```python\nprint(0)\n```\n</think>\n\n```python\nprint(1)\n```"
+    assert loop.act(e, chat.encode(done, literal=True) + [chat.eot], 1, chat, cfg) == "print(1)"
+
+
 @pytest.mark.parametrize("name", ["qwen2.5", "llama3.0", "gemma2", "mistral"])
 def test_environment_text_that_spells_a_special_token_stays_text(name):
     chat = loop.Chat(*family_tokenizer(name))
