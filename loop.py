@@ -12,7 +12,6 @@ no reference model, one copy of the LLM.
 import argparse
 import atexit
 import builtins
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -24,6 +23,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 import types
 import typing
@@ -400,7 +400,8 @@ class Chat:
 
 # 3. Environments. Fork here for a new environment: a class made as Env(task_id, timeout,
 #    experiment) with tasks(split) -> ids "<scenario>_<n>", messages(), step(code) -> observation,
-#    `done`, and evaluate() -> (tests passed, tests total), or None when the world itself failed.
+#    `done`, evaluate() -> (tests passed, tests total), or None when the world itself failed, and
+#    close(), which frees the world at once when a rollout is interrupted.
 LOOKUP = "apis.api_docs."  # code that reads documentation (`looked_first`)
 
 def extract_code(text):
@@ -564,6 +565,9 @@ class TinyWorld:
     def step(self, code):
         return run_code(code, self.namespace, self.timeout)
 
+    def close(self):
+        """Nothing to free: the world lives in this process."""
+
     def evaluate(self):
         """Checks on the end state; partial credit always points at the full solution."""
         last, amount = self.payments[0]
@@ -608,6 +612,7 @@ class AppWorldEnv:
     (an infrastructure failure, not a reward) and training goes on."""
 
     idle = []
+    idle_lock = threading.Lock()  # a wave's worlds take and give back workers from its threads
     START_TIMEOUT = 300  # seconds a world may take to start (the first one in a worker: ~4)
 
     @staticmethod
@@ -638,13 +643,15 @@ class AppWorldEnv:
         self.done = False
         self.failed = False
         self.task = None
+        self.worker = None
 
     @staticmethod
     def take_worker():
-        while AppWorldEnv.idle:
-            worker, conn = AppWorldEnv.idle.pop()
-            if worker.is_alive():  # else it died while it waited
-                return worker, conn
+        with AppWorldEnv.idle_lock:
+            while AppWorldEnv.idle:
+                worker, conn = AppWorldEnv.idle.pop()
+                if worker.is_alive():  # else it died while it waited
+                    return worker, conn
         return AppWorldEnv.start_worker()
 
     @staticmethod
@@ -677,6 +684,8 @@ class AppWorldEnv:
     def messages(self):  # the world starts: its episode's wave begins
         if self.task is None:
             self.worker, self.conn = self.take_worker()
+            if self.failed:  # closed while it was taken (close() sets failed, then reads worker)
+                self.worker.kill()
             root = os.environ.get("APPWORLD_ROOT", os.getcwd())
             load = ("load", (self.task_id, self.experiment, self.timeout, root))
             self.task = self.call(load, wait=self.START_TIMEOUT) or "(the world failed to start)"
@@ -694,8 +703,15 @@ class AppWorldEnv:
     def evaluate(self):
         result = None if self.failed else self.call(("evaluate", None), wait=120)
         if result is not None:
-            AppWorldEnv.idle.append((self.worker, self.conn))
+            with AppWorldEnv.idle_lock:
+                AppWorldEnv.idle.append((self.worker, self.conn))
         return result
+
+    def close(self):
+        """Kill the world's worker now: the rollout was interrupted, nothing may wait for it."""
+        self.failed = self.done = True
+        if self.worker is not None:
+            self.worker.kill()
 
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 
@@ -837,19 +853,25 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     layers = sharded_layers(model) if cfg.rollout_full_weights else []
     for layer in layers:  # gathered by its first forward, kept until the rollout ends
         layer.set_reshard_after_forward(False, recurse=False)
-    while True:
-        live, turn, carry = next(steps, ([], 0, None))
-        # Every rank runs as many generations as the busiest one (FSDP's collectives must match)
-        if not all_reduce([len(live)], "max")[0]:
-            break
-        room = max((cfg.max_context - len(e.ids) for e in live), default=1)
-        prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
-        outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room), carry)
-        codes = [act(e, new, turn, chat, cfg) for e, new in zip(live, outputs)]
-        results = together([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
-        for e, output in zip(live, results):
-            observe(e, output, turn == max_turns - 1, chat, cfg)
-        bar.update()
+    try:
+        while True:
+            live, turn, carry = next(steps, ([], 0, None))
+            # Every rank runs as many generations as the busiest one (FSDP's collectives match)
+            if not all_reduce([len(live)], "max")[0]:
+                break
+            room = max((cfg.max_context - len(e.ids) for e in live), default=1)
+            prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
+            new_tokens = min(cfg.max_new_tokens, room)
+            outputs = generate(model, chat, prompts, temperature, new_tokens, carry)
+            codes = [act(e, new, turn, chat, cfg) for e, new in zip(live, outputs)]
+            results = together([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
+            for e, output in zip(live, results):
+                observe(e, output, turn == max_turns - 1, chat, cfg)
+            bar.update()
+    except BaseException:  # Ctrl-C, CUDA out of memory: no world outlives the rollout
+        for env in envs:
+            env.close()
+        raise
     bar.close()
     for layer in layers:  # sharded again for the update (reshard() is not recursive)
         layer.reshard()
@@ -874,10 +896,25 @@ def act(e, new, turn, chat, cfg):
 
 def together(calls):
     """The calls run at once, each with its own deadline (AppWorld's worlds are processes), so a
-    slow, endless or hung world holds up no other: k that hang cost one deadline, not k."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(calls))) as pool:
-        futures = [pool.submit(call) for call in calls]
-        return [future.result() for future in futures]
+    slow, endless or hung world holds up no other: k that hang cost one deadline, not k. Their
+    threads are daemons: an interrupt reaches the caller at once, waiting for none of them."""
+    results = [(None, None)] * len(calls)
+
+    def run(i):
+        try:
+            results[i] = (calls[i](), None)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            results[i] = (None, e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for _, error in results:
+        if error is not None:
+            raise error
+    return [value for value, _ in results]
 
 def observe(e, output, last_turn, chat, cfg):
     """The environment's output joins the episode as context, between the template's separators."""

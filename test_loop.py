@@ -1935,6 +1935,100 @@ def test_worlds_that_do_not_start_cost_their_wave_one_deadline_and_count_as_fail
     assert len(hung) == 2 and alive == [False, False]
 
 
+INTERRUPTED = """
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import loop
+
+def hang(env, message, wait, call=loop.AppWorldEnv.call):
+    if message[0] == "load":  # the world hangs while it starts: alive, never answers
+        os.kill(env.worker.pid, signal.SIGSTOP)
+        print(env.worker.pid, flush=True)
+    return call(env, message, wait)
+
+if __name__ == "__main__":  # the workers' forkserver imports this module again
+    loop.AppWorldEnv.call = hang
+    cfg = loop.parse_config(["--tiny", "--env", "appworld", "--max-context", "4096"])
+    model, tok = loop.load_model_and_tokenizer(cfg, "cpu")
+    envs = [loop.AppWorldEnv(task, 30.0, "pytest-interrupted") for task in ("5a0f1c2_1", "9d3e7b4_1")]
+    loop.rollout(model, loop.Chat(tok), envs, ["5a0f1c2_1", "9d3e7b4_1"], cfg, 1.0, 2)
+"""
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_ctrl_c_while_worlds_hang_as_they_start_stops_at_once_and_kills_them(appworld_root, tmp_path):
+    """SIGINT while a wave's two worlds hang as they start (a start deadline of 300 s): the run
+    ends within 2 s and no worker is left. Before, it waited for every world's deadline."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED.format(here=HERE))
+    # a session of its own: SIGINT is not ignored there as in a shell's background job
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    pids = []
+    try:
+        pids = [int(proc.stdout.readline()) for _ in range(2)]
+        time.sleep(0.5)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        seconds = time.monotonic() - started
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        for pid in pids:
+            _gone(pid) or os.kill(pid, signal.SIGKILL)
+    assert proc.returncode in (-signal.SIGINT, 130) and seconds < 2, seconds
+    time.sleep(0.2)
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_an_error_in_a_rollout_kills_its_worlds_and_is_raised(tiny, appworld_root, monkeypatch):
+    """Generation fails at the second turn (a CUDA out-of-memory error, say): the error reaches the
+    caller and the wave's workers are dead, not idle and not left running."""
+    _no_idle_workers()
+    cfg = dataclasses.replace(tiny[0], env="appworld", code_timeout=30.0, max_context=4096)
+    policy, turns = scripted_policy(lambda text: "print(1)"), []
+
+    def failing(*args, **kwargs):
+        turns.append(1)
+        if len(turns) == 2:
+            raise RuntimeError("CUDA out of memory")
+        return policy(*args, **kwargs)
+    monkeypatch.setattr(loop, "generate", failing)
+    envs = [loop.AppWorldEnv("5a0f1c2_1", 30.0, f"pytest-oom{k}") for k in range(2)]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        loop.rollout(tiny[1], tiny[2], envs, ["5a0f1c2_1"] * 2, cfg, 1.0, 3)
+    for env in envs:
+        env.worker.join(5)
+    assert not any(env.worker.is_alive() for env in envs) and not loop.AppWorldEnv.idle
+    assert _appworld_workers() == 0
+
+
+def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypatch):
+    """Two worlds of a wave take a worker at once while one is idle: one gets it, the other a new
+    one. Unlocked, both saw the pool non-empty and the second pop() failed (a pool whose length
+    takes a while makes the race certain)."""
+    class Worker:
+        def is_alive(self):
+            return True
+
+    class SlowPool(list):
+        def __len__(self):
+            n = super().__len__()
+            time.sleep(0.05)  # the other thread runs meanwhile
+            return n
+    monkeypatch.setattr(loop.AppWorldEnv, "idle", SlowPool([(Worker(), "idle")]))
+    monkeypatch.setattr(loop.AppWorldEnv, "start_worker", staticmethod(lambda: (Worker(), "new")))
+    taken = loop.together([loop.AppWorldEnv.take_worker] * 2)
+    assert sorted(conn for _, conn in taken) == ["idle", "new"]
+
+
 def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
     code, err = _error(capsys, "--eval", "--env", "appworld", "--split", "test_normal", "--tiny")
