@@ -440,6 +440,9 @@ def run_code(code, namespace, timeout, max_chars=20000):
             raise CodeLimit(f"code ran longer than {timeout} s")
         return tracer
 
+    # its errors read as print's, whatever the module (__main__ under `python loop.py`)
+    limited_print.__name__ = limited_print.__qualname__ = "print"
+    limited_print.__module__ = None
     namespace["__builtins__"] = dict(SAFE_BUILTINS, print=limited_print)
     status = ""
     previous = sys.gettrace()
@@ -465,6 +468,10 @@ class App:
     """An app whose APIs are its attributes, called as apis.bank.kofi(name=..., amount=...)."""
 
     def __init__(self, name, **apis):
+        for api, function in apis.items():
+            if callable(function):  # its errors name it as the agent calls it, module-free
+                function.__name__, function.__qualname__ = api, f"apis.{name}.{api}"
+                function.__module__ = None
         self.__dict__.update(apis)
         self.app_name = name
 
@@ -544,9 +551,12 @@ class TinyWorld:
             self.done = True
             return "task completed"
 
+        def show(app):
+            return self.docs(app)
+
         supervisor = App("supervisor", wishlist=wishlist, payments=payments,
                          complete_task=complete_task)
-        return App("apis", api_docs=App("api_docs", show=self.docs), supervisor=supervisor,
+        return App("apis", api_docs=App("api_docs", show=show), supervisor=supervisor,
                    shop=App("shop", **{self.api["shop"]: buy}),
                    bank=App("bank", **{self.api["bank"]: send}),
                    contacts=App("contacts", **{self.api["contacts"]: phone}))

@@ -637,6 +637,31 @@ def test_agent_code_failures_become_observations():
     assert result == (0, 4) and not w.done
 
 
+def test_what_the_agent_sees_does_not_depend_on_how_loop_py_was_launched(monkeypatch):
+    """`python loop.py` runs it as module __main__, tools and tests import it as loop. The same
+    erring code gives the same observation both ways: CPython names a callee with its module in
+    */** argument errors (it read `__main__.run_code.<locals>.limited_print()` vs `loop.run_...`),
+    so print and the APIs read as the agent calls them."""
+    import importlib.util
+    # as `python loop.py` does, under a name that is not "loop" ("__main__" would run main())
+    spec = importlib.util.spec_from_file_location("launched", loop.__file__)
+    launched = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "launched", launched)
+    spec.loader.exec_module(launched)
+    bank = loop.TinyWorld("payback01_1").api["bank"]
+    codes = ['print(**apis.api_docs.show(app="bank"))', "print(*1)", f"apis.bank.{bank}(**[1])",
+             "apis.api_docs.show(*5)", 'apis.api_docs.show(app_name="bank")', f"apis.bank.{bank}(1)",
+             "apis.supervisor.complete_task(**'x')", "apis.supervisor.payments(1, 2)"]
+    seen = {name: [module.TinyWorld("payback01_1").step(code) for code in codes]
+            for name, module in (("import", loop), ("script", launched))}
+    assert seen["import"] == seen["script"]
+    assert seen["import"][:3] == ["Execution failed. TypeError: print() argument after ** must be a mapping, not str",
+                                  "Execution failed. TypeError: print() argument after * must be an iterable, not int",
+                                  f"Execution failed. TypeError: apis.bank.{bank}() argument after ** must be a "
+                                  "mapping, not list"]
+    assert not any(word in text for text in seen["import"] for word in ("loop", "__main__", "<locals>", "TinyWorld"))
+
+
 def _docs_seen(text):
     """{app: its API name} of every app whose docs the conversation shows."""
     return dict(re.findall(r"^apis\.(shop|bank|contacts)\.(\w+)\(", text, flags=re.M))
