@@ -192,7 +192,8 @@ def load_pretrained(cfg):
         die(f"cannot load model {cfg.model}: {first_line(e)}")
 
 def from_pretrained(path, cfg):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
     # A saved tiny tokenizer must load as itself: AutoTokenizer would give it Qwen2's pre-tokenizer
     tokenizer_class = AutoTokenizer
     saved = os.path.join(path, "tokenizer_config.json")
@@ -203,7 +204,11 @@ def from_pretrained(path, cfg):
     # bf16 on the host halves its memory per rank; full fine-tuning upcasts after sharding
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     tok = tokenizer_class.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if cfg.fsdp and rank_world()[0] > 0:  # rank 0 alone reads the weights, then sends the shards
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tok.pad_token = tok.pad_token or tok.eos_token
     return model, tok
 
@@ -230,8 +235,11 @@ def load_model_and_tokenizer(cfg, device):
     from transformers import GenerationConfig
     torch.manual_seed(cfg.seed)  # every rank and process initialises the same LoRA adapter
     model, tok = load_pretrained(cfg)
+    eos = [model.generation_config.eos_token_id]
+    if cfg.fsdp:  # a rank with a meta model read no generation_config.json
+        dist.broadcast_object_list(eos)
     # only the stop ids: hub defaults (top-k, top-p, penalties) are not what the update scores
-    model.generation_config = GenerationConfig(eos_token_id=model.generation_config.eos_token_id)
+    model.generation_config = GenerationConfig(eos_token_id=eos[0])
     chunked_logprob_head(model.get_output_embeddings(), cfg.logprob_chunk)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -245,13 +253,18 @@ def load_model_and_tokenizer(cfg, device):
         base = os.path.abspath(path) if os.path.isdir(path) else cfg.model
         model.peft_config["default"].base_model_name_or_path = base
     if cfg.fsdp:
-        shard(model, cfg, layer_names)
+        shard(model, cfg, layer_names, device)
     model = model.to(device)
     return (model if cfg.lora else model.float()), tok
 
-def shard(model, cfg, layer_names):
-    """FSDP2: each rank keeps 1/G of every tensor; a decoder layer is gathered only to compute."""
+def shard(model, cfg, layer_names, device):
+    """FSDP2: each rank keeps 1/G of every tensor; a decoder layer is gathered only to compute.
+    Rank 0 holds the weights read from disk and sends each rank its shards (the others' models
+    are on the meta device), so the host holds the whole model once, not once per rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    rank = rank_world()[0]
+    weights = model.state_dict() if rank == 0 else {}
     policy = MixedPrecisionPolicy()
     if cfg.bf16:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -260,6 +273,15 @@ def shard(model, cfg, layer_names):
             fully_shard(module, mp_policy=policy)
     # the root is the HF model inside peft's wrapper: generate() calls it without the wrapper
     fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
+    if rank == 0:  # a meta rank's shards are made from the slices it receives
+        model.to(device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, weights, options=options)
+    for module in model.modules():  # buffers in no state dict (RoPE's inv_freq): rank 0's
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                module._buffers[name] = buffer = torch.empty_like(buffer, device=device)
+            dist.broadcast(buffer, src=0)
 
 def chunked_logprob_head(head, chunk):
     """While `head.targets` is set, the LM head returns log p(target) per position, `chunk`
