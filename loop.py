@@ -273,15 +273,16 @@ def shard(model, cfg, layer_names, device):
             fully_shard(module, mp_policy=policy)
     # the root is the HF model inside peft's wrapper: generate() calls it without the wrapper
     fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
-    if rank == 0:  # a meta rank's shards are made from the slices it receives
+    # a meta rank's shards get memory here, in place: FSDP keeps tied weights (Qwen2.5-0.5B's
+    # embedding and head) one tensor, where loading with assign=True would untie them
+    if rank > 0:
+        model.to_empty(device=device)
+    else:
         model.to(device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, weights, options=options)
-    for module in model.modules():  # buffers in no state dict (RoPE's inv_freq): rank 0's
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer.is_meta:
-                module._buffers[name] = buffer = torch.empty_like(buffer, device=device)
-            dist.broadcast(buffer, src=0)
+    for buffer in model.buffers():  # buffers in no state dict (RoPE's inv_freq): rank 0's
+        dist.broadcast(buffer, src=0)
 
 def chunked_logprob_head(head, chunk):
     """While `head.targets` is set, the LM head returns log p(target) per position, `chunk`

@@ -2444,7 +2444,8 @@ def _one_read_worker(out, folder, *flags):
     if rank == 0:  # (cpu_offload: rank 0 alone holds the gathered weights)
         torch.save(weights, out + ".weights")
     if rank == 1:
-        torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth}, out)
+        torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth,
+                    "parameters": len(list(model.parameters()))}, out)  # tied ones count once
 
 
 @pytest.mark.parametrize("flags", [[], ["--lora", "--bf16"]])
@@ -2452,7 +2453,8 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
     """A random model of 466 MB (fp32) loaded on 2 gloo ranks: rank 1 builds it on the meta device
     and receives its shards from rank 0, so its host memory grows by about its half (233 MB), well
     below the model's size (before: every rank read the whole model first); its weights, LoRA
-    adapter included, and buffers (RoPE's inv_freq, in no state dict) are a one-process load's."""
+    adapter included, buffers (RoPE's inv_freq, in no state dict) and tied weights are a one-process
+    load's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
     folder = str(tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(SHIPPED)
@@ -2473,6 +2475,7 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
         assert got["growth_mb"] < 0.75 * size_mb, got["growth_mb"]  # measured 310; before, 500
     single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]), "cpu")
     expected = single.state_dict()
+    assert got["parameters"] == len(list(single.parameters()))  # the embedding is still the head
     assert got["weights"].keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(got["weights"][name], tensor), name
