@@ -81,7 +81,8 @@ class Config:
     eval_every: int = setting(10,
         "Evaluate every this many iterations (and before the first and after the last).")
     eval: bool = setting(False, "Only evaluate `split`, no training.")
-    batch_episodes: int = setting(256, "Episodes played together per rank: their worlds, KV cache.")
+    batch_episodes: int = setting(6,
+        "Episodes played together per rank: their worlds, KV cache (32B: 8.6 GB each at 32k).")
     logprob_chunk: int = setting(512, "Positions per chunk of the update's vocabulary projection.")
     fsdp: bool = setting(False, "Shard weights, gradients and AdamW state (FSDP2, torchrun).")
     rollout_full_weights: bool = setting(False,
@@ -273,8 +274,8 @@ def shard(model, cfg, layer_names, device):
             fully_shard(module, mp_policy=policy)
     # the root is the HF model inside peft's wrapper: generate() calls it without the wrapper
     fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
-    # a meta rank's shards get memory here, in place: FSDP keeps tied weights (Qwen2.5-0.5B's
-    # embedding and head) one tensor, where loading with assign=True would untie them
+    # a meta rank's shards get memory in place: FSDP keeps tied weights (Qwen2.5-0.5B's embedding
+    # and head) one tensor, where loading into meta ones would untie them
     if rank > 0:
         model.to_empty(device=device)
     else:
@@ -831,8 +832,7 @@ def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
                               eos_token_id=chat.stop_ids, pad_token_id=pad)
     # synced: under FSDP a rank that is done keeps joining the others' forward passes
     out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                         cache=carry.kv if carry else None,
-                         synced_gpus=dist.is_initialized())
+                         cache=carry.kv if carry else None, synced_gpus=dist.is_initialized())
     rows = [cut_after_stop(row, chat.stop_ids) for row in out[:, ids.shape[1]:].tolist()]
     if carry:  # the cache holds every column but the last one sampled (and strays keep() drops)
         n = out.shape[1] - ids.shape[1]
@@ -985,8 +985,8 @@ LOG_RATIO_BOUND = 40.0  # |log r| past this: no gradient (exp(40) x 3k tokens st
 
 def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
     """Per-rollout loss (to minimise) and number of clipped (or bounded) tokens. logp, old_logp,
-    mask, turn: [B, T] over target tokens; adv: [B]. Each rollout's loss is the mean over its own output
-    tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
+    mask, turn: [B, T] over target tokens; adv: [B]. Each rollout's loss is the mean over its own
+    output tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
     mask = mask.to(logp.dtype)
     n = mask.sum(1).clamp(min=1)
     a = adv[:, None]
@@ -1294,6 +1294,24 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
             "recovered": recovered / max(erred, 1), **stats,
             "seconds": round(time.time() - started, 2)}
 
+def check_kv_cache(cfg, model, wave):
+    """Stop before the first rollout if a wave's KV cache, every episode at the context cap, would
+    not fit in the GPU's free memory: a line that says what to set, not an out-of-memory error."""
+    text = model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dtype_bytes = 2 if cfg.bf16 else 4
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes  # K and V
+    free = torch.cuda.mem_get_info()[0]
+    if cfg.rollout_full_weights:  # every layer stays gathered while sampling
+        free -= sum(p.numel() for p in model.parameters()) * dtype_bytes
+    fit = max(free, 0) // (per_token * cfg.max_context)
+    if wave > fit:
+        need = wave * per_token * cfg.max_context / 2**30
+        room = f"--batch-episodes {fit}" if fit else f"--max-context {max(free, 0) // per_token}"
+        die(f"a wave of {wave} episodes of up to {cfg.max_context} tokens needs {need:.1f} GiB of "
+            f"KV cache per GPU and {free / 2**30:.1f} GiB are free: set {room} or lower")
+
 def start_distributed():
     if "RANK" not in os.environ:
         die("--fsdp runs under torchrun: torchrun --nproc_per_node G loop.py --fsdp ...")
@@ -1345,9 +1363,15 @@ def main(argv=None):
             tqdm.write(json.dumps(shown))
 
     t0 = time.time()
-    ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops here, before a model is loaded
+    eval_tasks = ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops before the model
+    train_tasks = [] if cfg.eval else ENVS[cfg.env].tasks(cfg.train_split)
     model, tok = load_model_and_tokenizer(cfg, device)
     chat = Chat(tok, model.generation_config.eos_token_id)
+    if device.type == "cuda":  # the most episodes a rank plays in one rollout, in waves
+        world = rank_world()[1]
+        n_train = math.ceil(min(cfg.tasks_per_iteration, len(train_tasks)) / world)
+        wave = max(math.ceil(len(eval_tasks) / world), n_train * cfg.rollouts_per_task)
+        check_kv_cache(cfg, model, min(cfg.batch_episodes, wave))
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable and not cfg.eval:  # a LoRA run's model/ loads its adapter frozen
         die(f"{cfg.model} has no weights to train: evaluate it with --eval, or continue the run "
@@ -1365,7 +1389,6 @@ def main(argv=None):
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir))
         if cfg.eval:
             return
-        train_tasks = ENVS[cfg.env].tasks(cfg.train_split)
         for it in tqdm(range(start + 1, cfg.iterations + 1), desc="LOOP", disable=rank != 0):
             log(train_iteration(model, opt, chat, cfg, train_tasks, it))
             if it % cfg.eval_every == 0 or it == cfg.iterations:

@@ -2485,6 +2485,46 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
         assert torch.equal(got["buffers"][name], tensor), name
 
 
+@pytest.fixture(scope="module")
+def qwen32b():
+    """Qwen2.5-32B-Instruct's shape on the meta device: no memory, the real KV size per token."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    config = Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                         num_attention_heads=40, num_key_value_heads=8)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_first(qwen32b, monkeypatch, capsys):
+    """The README's 8-GPU command with the default --batch-episodes: 6 episodes of 32k tokens of
+    Qwen2.5-32B are 48 GiB of KV cache (262,144 bytes a token), which fit the 71 GB an 80 GB GPU has
+    free beside the sharded LoRA states (docs/scaling.md's table: 8.4 GB). With 30 GiB free the run
+    stops with one line that says what to set; the old default (256 a rank) needed 2 TiB."""
+    free = {"bytes": int(80e9 - 8.4e9)}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (free["bytes"], int(80e9)))
+    cfg = loop.parse_config(["--fsdp", "--bf16", "--lora", "--activation-checkpointing", "--train-split", "train_paper",
+                             "--split", "dev", "--micro-batch-size", "1"])
+    assert cfg.model == "Qwen/Qwen2.5-32B-Instruct" and cfg.max_context == 32768 and cfg.batch_episodes == 6
+    loop.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)  # fits: nothing happens
+    free["bytes"] = 30 * 2**30
+    with pytest.raises(SystemExit) as stop:
+        loop.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert "6 episodes of up to 32768 tokens needs 48.0 GiB" in err and "set --batch-episodes 3 or lower" in err
+    with pytest.raises(SystemExit):  # the old default
+        loop.check_kv_cache(dataclasses.replace(cfg, batch_episodes=256), qwen32b, 30)
+    free["bytes"] = 4 * 2**30  # not one episode at the cap
+    with pytest.raises(SystemExit):
+        loop.check_kv_cache(cfg, qwen32b, 1)
+    assert "set --max-context 16384 or lower" in capsys.readouterr().err
+    # gathered for sampling, the 65 GB of bf16 weights leave no room for one episode on 80 GB
+    free["bytes"] = int(80e9 - 8.4e9)
+    with pytest.raises(SystemExit):
+        loop.check_kv_cache(dataclasses.replace(cfg, rollout_full_weights=True), qwen32b, 1)
+    assert "--max-context" in capsys.readouterr().err
+
+
 def test_micro_batches_accumulate_to_the_minibatch_gradient():
     import copy
     cfg = loop.parse_config(["--tiny", "--epochs", "1", "--minibatch-size", "8", "--lr", "1e-3"])
