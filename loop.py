@@ -10,7 +10,6 @@ no reference model, one copy of the LLM.
     python loop.py --eval --split test --tiny  # TGC/SGC only
 """
 import argparse
-import atexit
 import builtins
 import dataclasses
 import functools
@@ -1318,12 +1317,6 @@ def start_distributed():
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    atexit.register(stop_distributed)
-
-def stop_distributed():
-    # a rank that tore it down while another still wrote the model aborted (gloo, 1 run in 12)
-    dist.barrier()
-    dist.destroy_process_group()
 
 def name_run_dir(cfg):
     """Rank 0 names the run directory, which every rank shares; nothing is written yet."""
@@ -1347,6 +1340,13 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1-process DCP
     if cfg.fsdp:
         start_distributed()
+    run(cfg)
+    if cfg.fsdp:  # not after an error: the failed rank would wait here for ranks waiting for it
+        dist.barrier()  # a rank that tore it down while another still wrote the model aborted
+        dist.destroy_process_group()
+
+def run(cfg):
+    """The run directory, the model, the iteration-0 evaluation, then LOOP's iterations."""
     rank = rank_world()[0]
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                           else "cpu")

@@ -2687,6 +2687,27 @@ def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path)
             assert torch.equal(value, loaded["state"][i][key]), (i, key)
 
 
+def _fail_on_rank_1(where, argv):
+    """Run loop.main(argv) under torchrun; rank 1 raises at its first call of loop.<where>."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (rank 1 only)")
+    if os.environ["RANK"] == "1":
+        setattr(loop, where, fail)
+    loop.main(argv)
+
+
+@pytest.mark.parametrize("where", ["generate", "update"])
+def test_an_error_on_one_fsdp_rank_ends_the_run_instead_of_hanging_it(tmp_path, where):
+    """Rank 1 fails (an out-of-memory error, say) while rank 0 waits for it in a collective: the
+    run ends with the error. Before, the failed rank waited in the exit barrier for a rank that
+    waited for it, until gloo's 30-minute timeout."""
+    started = time.monotonic()
+    r = _torchrun("test_loop.py", "fail_on_rank_1", where, *quick(), "--tasks-per-iteration", "4", "--fsdp",
+                  "--iterations", "1", "--out", str(tmp_path / "run"), timeout=120)
+    assert r.returncode != 0 and "CUDA out of memory (rank 1 only)" in r.stderr
+    assert time.monotonic() - started < 120
+
+
 def test_fsdp_resumes_before_its_first_checkpoint_from_an_adamw_that_never_stepped_and_in_one_process(tmp_path):
     """2 gloo ranks: killed after the iteration-0 evaluation (no checkpoint yet), resumed; iteration
     1 without an optimizer step (every |A| below the threshold), so its checkpoint holds no AdamW
@@ -2862,5 +2883,7 @@ if __name__ == "__main__" and sys.argv[1] == "sampling_worker":
     _sampling_worker(sys.argv[2], *sys.argv[3:])
 if __name__ == "__main__" and sys.argv[1] == "one_read_worker":
     _one_read_worker(*sys.argv[2:])
+if __name__ == "__main__" and sys.argv[1] == "fail_on_rank_1":
+    _fail_on_rank_1(sys.argv[2], sys.argv[3:])
 if __name__ == "__main__" and sys.argv[1] == "kill_at":
     _kill_at(sys.argv[2], sys.argv[3:])
