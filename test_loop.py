@@ -2525,6 +2525,26 @@ def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_firs
     assert "--max-context" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, wave", [([], 72), (["--batch-episodes", "500"], 72), (["--eval"], 27),
+                                         (["--batch-episodes", "4"], 4)])
+def test_a_run_whose_wave_cannot_fit_the_gpu_stops_before_its_first_rollout(qwen32b, monkeypatch, capsys,
+                                                                             tmp_path, flags, wave):
+    """A run on a (patched) GPU with 1 GiB free: it stops before any rollout and leaves no run
+    directory. The wave it checks is what a rollout plays: --tiny's 6 tasks x 12 rollouts, at most
+    --batch-episodes; an evaluation-only run its 27 test tasks."""
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (2**30, int(80e9)))
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    monkeypatch.setattr(loop, "load_model_and_tokenizer", lambda cfg, device: (qwen32b, tok))
+    monkeypatch.setattr(loop, "rollout", None)  # a rollout would raise: 'NoneType' is not callable
+    with pytest.raises(SystemExit) as stop:
+        loop.main(["--tiny", *flags, "--out", str(tmp_path / "run")])
+    assert stop.value.code == 2 and not (tmp_path / "run").exists()
+    assert f"error: a wave of {wave} episodes of up to 1024 tokens needs" in capsys.readouterr().err
+
+
 def test_micro_batches_accumulate_to_the_minibatch_gradient():
     import copy
     cfg = loop.parse_config(["--tiny", "--epochs", "1", "--minibatch-size", "8", "--lr", "1e-3"])
