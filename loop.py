@@ -10,7 +10,6 @@ no reference model, one copy of the LLM.
     python loop.py --eval --split test --tiny  # TGC/SGC only
 """
 import argparse
-import builtins
 import dataclasses
 import functools
 import itertools
@@ -33,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
+
+from tiny_world import TinyWorld
 
 
 # 1. Settings
@@ -421,11 +422,8 @@ class Chat:
         return head + f"\n[output truncated: {note}]"
 
 
-# 3. Environments. Fork here for a new environment: a class made as Env(task_id, timeout,
-#    experiment) with tasks(split) -> ids "<scenario>_<n>", messages(), step(code) -> observation,
-#    `done`, evaluate() -> (tests passed, tests total), or None when the world itself failed, and
-#    close(), which frees the world at once when a rollout is interrupted.
-LOOKUP = "apis.api_docs."  # code that reads documentation (`looked_first`)
+# 3. Environments: AppWorld here, the tiny world in tiny_world.py, whose docstring is the interface
+#    a new environment implements (copy that file to start one)
 
 def extract_code(text):
     """All ```python / ```py blocks joined; an unterminated last block counts; no block -> "".
@@ -434,184 +432,6 @@ def extract_code(text):
     text = text.split("<think>", 1)[0]  # reasoning cut off by the token limit: no answer yet
     blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
     return "\n".join(b.rstrip() for b in blocks)
-
-class CodeLimit(BaseException):
-    """Not an Exception: the agent's own `except Exception` cannot swallow it."""
-
-SAFE_BUILTINS = {name: getattr(builtins, name) for name in (
-    "abs all any bool dict enumerate filter float int isinstance len list map max min print range "
-    "repr reversed round set sorted str sum tuple zip Exception KeyError ValueError TypeError"
-).split()}
-
-def run_code(code, namespace, timeout, max_chars=20000):
-    """Run agent code in a persistent namespace with restricted builtins and a deadline. Whatever
-    happens (exception, syntax error, endless loop, flood of output) comes back as text."""
-    output = []
-    printed = 0
-    deadline = time.monotonic() + timeout
-
-    def limited_print(*args, sep=" ", end="\n", **_):
-        nonlocal printed
-        text = sep.join(map(str, args)) + end
-        printed += len(text)
-        if printed > max_chars:
-            raise CodeLimit(f"output exceeded {max_chars} characters")
-        output.append(text)
-
-    def tracer(frame, event, arg):  # a line-level deadline works in any thread, unlike signals
-        if time.monotonic() > deadline:
-            raise CodeLimit(f"code ran longer than {timeout} s")
-        return tracer
-
-    # its errors read as print's, whatever the module (__main__ under `python loop.py`)
-    limited_print.__name__ = limited_print.__qualname__ = "print"
-    limited_print.__module__ = None
-    namespace["__builtins__"] = dict(SAFE_BUILTINS, print=limited_print)
-    status = ""
-    previous = sys.gettrace()
-    try:
-        sys.settrace(tracer)
-        exec(compile(code, "<agent>", "exec"), namespace)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:  # noqa: BLE001 - the agent's failure is an observation, not a crash
-        status = f"Execution failed. {type(e).__name__}: {e}"
-    finally:
-        sys.settrace(previous)
-    return ("".join(output) + status).strip() or "Execution successful."
-
-SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
-WORDS = random.Random(0).sample([a + b for a in SYLLABLES for b in SYLLABLES], 560)  # kofi, lena
-"""Names and product titles: two syllables each."""
-NUMBERS = [str(n) for n in random.Random(1).sample(range(10, 100), 90)]
-# Tasks draw from the first part of each pool; the tiny model's warm-up saw only the rest.
-TASK_VALUES = {"words": WORDS[:60], "numbers": NUMBERS[:30]}
-
-class App:
-    """An app whose APIs are its attributes, called as apis.bank.kofi(name=..., amount=...)."""
-
-    def __init__(self, name, **apis):
-        for api, function in apis.items():
-            if callable(function):  # its errors name it as the agent calls it, module-free
-                function.__name__, function.__qualname__ = api, f"apis.{name}.{api}"
-                function.__module__ = None
-        self.__dict__.update(apis)
-        self.app_name = name
-
-    def __getattr__(self, api):  # only for names the app lacks
-        raise AttributeError(f"{self.app_name} has no API named {api!r}")
-
-class TinyWorld:
-    """A miniature AppWorld: a shop, a bank and contacts behind `apis`, whose API names change
-    from world to world and are in no prompt, as an AppWorld agent meets apps it does not know:
-    only apis.api_docs tells them. A supervisor receives the answer; unit-test-like checks judge
-    the end state. Tasks come in scenarios of three (one template, three worlds); train and test
-    hold other scenarios."""
-
-    FAMILIES = {"order": "Order the item at the top of my wishlist.",
-                "payback": "Pay back the last person who paid me, the same amount.",
-                "phone": "What is the phone extension of the last person who paid me?"}
-    APPS = {"order": "shop", "payback": "bank", "phone": "contacts"}
-    SYSTEM = ("Apps: shop, bank, contacts; see apis.api_docs.show(app). Mine: "
-              "apis.supervisor.wishlist(), apis.supervisor.payments() (latest first), "
-              "apis.supervisor.complete_task(answer=None)")
-
-    @staticmethod
-    def tasks(split):
-        """Per family 12 scenarios of 3 tasks: 9 scenarios train, 3 test."""
-        if split not in ("train", "test"):
-            die(f"the tiny world's splits are train and test, not {split!r}")
-        scenarios = range(3) if split == "test" else range(3, 12)
-        return [f"{family}{i:02d}_{n}" for family in TinyWorld.FAMILIES for i in scenarios
-                for n in (1, 2, 3)]
-
-    def __init__(self, task_id, timeout=5.0, experiment=None):
-        self.task_id = task_id
-        self.timeout = timeout
-        self.family = task_id.split("_")[0].rstrip("0123456789")
-        self.populate(random.Random(task_id), TASK_VALUES)
-
-    def populate(self, rng, values):
-        """The world's state, drawn from `values` (TASK_VALUES; the warm-up's worlds: the rest)."""
-        words = rng.sample(values["words"], 10)
-        people = words[:4]
-        # APIs named anew in each world, as AppWorld's apps are new to an agent: guesses fail
-        self.api = dict(zip(self.APPS.values(), words[4:7]))
-        self.wishlist = words[7:]  # top first
-        self.phones = dict(zip(people, map(int, rng.sample(values["numbers"], 4))))
-        amounts = map(int, rng.sample(values["numbers"], 2))
-        self.payments = list(zip(people[:2], amounts))  # latest first
-        self.instruction = self.FAMILIES[self.family]
-        self.transfers = []
-        self.orders = []
-        self.answer = None
-        self.done = False
-        self.namespace = {"apis": self.apis()}
-
-    def apis(self):
-        def wishlist():
-            return list(self.wishlist)
-
-        def payments():
-            return [{"name": who, "amount": amount} for who, amount in self.payments]
-
-        def buy(item):
-            self.orders.append(item)
-            return f"ordered {item}"
-
-        def send(name, amount):
-            phone(name)  # a contact of that name
-            self.transfers.append((name, amount))
-            return f"sent {amount} to {name}"
-
-        def phone(name):
-            if name not in self.phones:
-                raise KeyError(f"no contact named {name!r}")
-            return self.phones[name]
-
-        def complete_task(answer=None):
-            self.answer = answer
-            self.done = True
-            return "task completed"
-
-        def show(app):
-            return self.docs(app)
-
-        supervisor = App("supervisor", wishlist=wishlist, payments=payments,
-                         complete_task=complete_task)
-        return App("apis", api_docs=App("api_docs", show=show), supervisor=supervisor,
-                   shop=App("shop", **{self.api["shop"]: buy}),
-                   bank=App("bank", **{self.api["bank"]: send}),
-                   contacts=App("contacts", **{self.api["contacts"]: phone}))
-
-    def docs(self, app):
-        docs = {"shop": "(item): orders an item", "bank": "(name, amount): sends money",
-                "contacts": "(name): a phone extension"}
-        if app not in docs:
-            raise KeyError(f"no app named {app!r}; the apps are shop, bank, contacts")
-        return f"apis.{app}.{self.api[app]}{docs[app]}"
-
-    def messages(self):
-        return [{"role": "system", "content": self.SYSTEM},
-                {"role": "user", "content": self.instruction}]
-
-    def step(self, code):
-        return run_code(code, self.namespace, self.timeout)
-
-    def close(self):
-        """Nothing to free: the world lives in this process."""
-
-    def evaluate(self):
-        """Checks on the end state; partial credit always points at the full solution."""
-        last, amount = self.payments[0]
-        if self.family == "order":
-            checks = [len(self.orders) == 1, self.orders == self.wishlist[:1]]
-        elif self.family == "payback":
-            checks = [len(self.transfers) == 1, [to for to, _ in self.transfers] == [last],
-                      [amount for _, amount in self.transfers] == [amount]]
-        else:
-            checks = [self.answer in self.phones.values(), self.answer == self.phones[last]]
-        return sum(checks) + self.done, len(checks) + 1
 
 APPWORLD_PROMPT = os.path.join(HERE, "assets", "appworld_prompt.txt")  # ours, ReAct-style
 
@@ -647,6 +467,7 @@ class AppWorldEnv:
     idle = []
     idle_lock = threading.Lock()  # a wave's worlds take and give back workers from its threads
     START_TIMEOUT = 300  # seconds a world may take to start (the first one in a worker: ~4)
+    DOCS_CALL, ERROR_PREFIX = "apis.api_docs.", "Execution failed"  # for the behaviour shares
 
     @staticmethod
     def tasks(split):
@@ -773,7 +594,8 @@ class Episode:
 
 def new_episode(env, task_id, chat, messages=None):
     messages = messages or env.messages()
-    e = Episode(task_id, env, [], [], [], list(messages), done=env.done)  # failed start: no turn
+    done = getattr(env, "done", False)  # a world that failed to start: no turn
+    e = Episode(task_id, env, [], [], [], list(messages), done=done)
     e.add(chat.prompt(messages))
     return e
 
@@ -902,7 +724,7 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
             bar.update()
     except BaseException:  # Ctrl-C, CUDA out of memory: no world outlives the rollout
         for env in envs:
-            env.close()
+            getattr(env, "close", lambda: None)()
         raise
     bar.close()
     for layer in layers:  # sharded again for the update (reshard() is not recursive)
@@ -923,7 +745,8 @@ def act(e, new, turn, chat, cfg):
     text = chat.reply_start + chat.tok.decode(new, skip_special_tokens=True)
     e.transcript.append({"role": "assistant", "content": text})
     code = extract_code(text)
-    e.looked_first = e.looked_first or (turn == 0 and LOOKUP in code)
+    docs = getattr(e.env, "DOCS_CALL", None)
+    e.looked_first = e.looked_first or (turn == 0 and docs is not None and docs in code)
     return code
 
 def together(calls):
@@ -951,9 +774,10 @@ def together(calls):
 def observe(e, output, last_turn, chat, cfg):
     """The environment's output joins the episode as context, between the template's separators."""
     observation = chat.truncate(output, cfg.max_obs_tokens)
-    e.erred = e.erred or observation.startswith("Execution failed")
+    error = getattr(e.env, "ERROR_PREFIX", None)
+    e.erred = e.erred or (error is not None and observation.startswith(error))
     e.transcript.append({"role": "user", "content": observation})
-    e.done = e.env.done or last_turn or len(e.ids) >= cfg.max_context
+    e.done = getattr(e.env, "done", False) or last_turn or len(e.ids) >= cfg.max_context
     if not e.done:
         closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
         context = closing + chat.observation(observation)
@@ -1287,10 +1111,13 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
         sum(len(e.ids) for e in episodes), sum(e.looked_first for e in episodes),
         sum(e.erred for e in episodes), sum(e.erred and e.success for e in episodes)])
     scored = max(n - failures, 1)  # reward and success: of the episodes whose world held up
+    env = ENVS[cfg.env]  # behaviour shares where the environment says what they count
+    shares = {"looked_first": looked / n} if hasattr(env, "DOCS_CALL") else {}
+    if hasattr(env, "ERROR_PREFIX"):
+        shares.update(error_rate=erred / n, recovered=recovered / max(erred, 1))
     return {"iteration": iteration, "reward_mean": reward / scored,
             "success_rate": success / scored, "turns_mean": turns / n, "tokens_mean": tokens / n,
-            "env_failures": int(failures), "looked_first": looked / n, "error_rate": erred / n,
-            "recovered": recovered / max(erred, 1), **stats,
+            "env_failures": int(failures), **shares, **stats,
             "seconds": round(time.time() - started, 2)}
 
 def check_kv_cache(cfg, model, wave):
@@ -1363,8 +1190,11 @@ def run(cfg):
             tqdm.write(json.dumps(shown))
 
     t0 = time.time()
-    eval_tasks = ENVS[cfg.env].tasks(cfg.split)  # a missing data root stops before the model
-    train_tasks = [] if cfg.eval else ENVS[cfg.env].tasks(cfg.train_split)
+    try:  # a missing data root or an unknown split stops before the model loads
+        eval_tasks = ENVS[cfg.env].tasks(cfg.split)
+        train_tasks = [] if cfg.eval else ENVS[cfg.env].tasks(cfg.train_split)
+    except ValueError as e:
+        die(str(e))
     model, tok = load_model_and_tokenizer(cfg, device)
     chat = Chat(tok, model.generation_config.eos_token_id)
     if device.type == "cuda":  # the most episodes a rank plays in one rollout, in waves

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import loop
+import tiny_world
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "assets", "tiny-model")  # what --tiny starts from
@@ -216,7 +217,7 @@ def episodes(tiny):
     loop.generate = recording
     try:
         torch.manual_seed(1)
-        eps = loop.rollout(model, chat, [loop.TinyWorld(x, cfg.code_timeout) for x in tasks], tasks, cfg, 1.0, 3)
+        eps = loop.rollout(model, chat, [tiny_world.TinyWorld(x, cfg.code_timeout) for x in tasks], tasks, cfg, 1.0, 3)
     finally:
         loop.generate = original
     return eps, calls
@@ -312,7 +313,7 @@ def test_generate_samples_from_the_softmax_that_the_update_scores(biased_model, 
     """loop.generate's processed scores (what it sampled from) give each sampled token the log-prob
     that token_logprobs gives it: no top-k, top-p or repetition penalty slipped in."""
     model, chat = biased_model
-    prompts = [chat.prompt(loop.TinyWorld(t).messages()) for t in loop.TinyWorld.tasks("test")[:6:2]]
+    prompts = [chat.prompt(tiny_world.TinyWorld(t).messages()) for t in tiny_world.TinyWorld.tasks("test")[:6:2]]
     scores, original = [], model.generate
 
     def with_scores(**kwargs):
@@ -402,7 +403,7 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
             return out.sequences
         monkeypatch.setattr(loop, "generate", recording)
         monkeypatch.setattr(m, "generate", with_scores)
-        envs = [loop.TinyWorld(t, cfg.code_timeout) for t in tasks]
+        envs = [tiny_world.TinyWorld(t, cfg.code_timeout) for t in tasks]
         played.append(loop.rollout(m, chat, envs, tasks, cfg, 0.0, 3, **reference))
         monkeypatch.undo()
     carried, reprefilled = played
@@ -550,7 +551,7 @@ def test_high_kl_abandons_the_iteration(tiny, episodes):
 
 # ---------------------------------------------------------------- the tiny world
 def _run(task, *codes):
-    w = loop.TinyWorld(task, timeout=0.5)
+    w = tiny_world.TinyWorld(task, timeout=0.5)
     obs = [w.step(c) for c in codes]
     return w, obs, w.evaluate()
 
@@ -560,21 +561,21 @@ def _docs(w, app):
 
 
 def test_tiny_world_order_needs_the_api_name_from_the_docs():
-    w = loop.TinyWorld("order04_2")
+    w = tiny_world.TinyWorld("order04_2")
     buy = w.api["shop"]
     assert _docs(w, "shop") == f"apis.shop.{buy}(item): orders an item"
     good = f"apis.shop.{buy}(item=apis.supervisor.wishlist()[0])"
     assert _run("order04_2", good, "apis.supervisor.complete_task()")[2] == (3, 3)
     assert _run("order04_2", good)[2] == (2, 3)  # not completed
     assert _run("order04_2", good.replace("[0]", "[-1]"), "apis.supervisor.complete_task()")[2] == (2, 3)
-    wrong = next(a for a in loop.TASK_VALUES["words"] if a != buy)
+    wrong = next(a for a in tiny_world.TASK_VALUES["words"] if a != buy)
     world, obs, result = _run("order04_2", good.replace(buy, wrong))
     assert obs[0] == f"Execution failed. AttributeError: shop has no API named '{wrong}'"
     assert result == (0, 3) and not world.orders
 
 
 def test_tiny_world_payback_pays_the_last_payment():
-    w = loop.TinyWorld("payback05_3")
+    w = tiny_world.TinyWorld("payback05_3")
     (last, amount), (other, other_amount) = w.payments
     assert _docs(w, "bank") == f"apis.bank.{w.api['bank']}(name, amount): sends money"
     assert w.step("print(apis.supervisor.payments())") == str(
@@ -588,7 +589,7 @@ def test_tiny_world_payback_pays_the_last_payment():
 
 
 def test_tiny_world_phone_of_the_last_payer():
-    w = loop.TinyWorld("phone07_1")
+    w = tiny_world.TinyWorld("phone07_1")
     last, other = w.payments[0][0], w.payments[1][0]
     lookup = f"apis.contacts.{w.api['contacts']}"
     world, obs, result = _run("phone07_1", f'print({lookup}(name="{last}"))', "")
@@ -601,12 +602,12 @@ def test_tiny_world_phone_of_the_last_payer():
 
 def test_tiny_world_no_fixed_api_guess_solves_more_than_a_few_tasks():
     """Each world names its APIs anew, so only the docs tell which to call."""
-    tasks = loop.TinyWorld.tasks("train") + loop.TinyWorld.tasks("test")
-    for app in loop.TinyWorld.APPS.values():
-        names = collections.Counter(loop.TinyWorld(t).api[app] for t in tasks)
+    tasks = tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test")
+    for app in tiny_world.TinyWorld.APPS.values():
+        names = collections.Counter(tiny_world.TinyWorld(t).api[app] for t in tasks)
         assert max(names.values()) <= 6, names.most_common(3)  # of 108 tasks
     for t in tasks:  # and never a name that is also a person or an item of that world
-        w = loop.TinyWorld(t)
+        w = tiny_world.TinyWorld(t)
         assert len(set(w.api.values()) | set(w.phones) | set(w.wishlist)) == 10
 
 
@@ -614,19 +615,19 @@ def test_a_name_is_the_same_tokens_in_the_docs_and_in_code(tiny):
     """The tiny tokenizer keeps a dot with the name after it, so the API name that follows
     `.shop` in the docs is the one that follows it in the call: a one-token lookup."""
     _, _, chat = tiny
-    w = loop.TinyWorld("order00_1")
+    w = tiny_world.TinyWorld("order00_1")
     docs = chat.tok.tokenize(w.docs("shop"))
     code = chat.tok.tokenize(make_tiny_model.action(w, w.api["shop"], 0))
     name = chat.tok.tokenize("." + w.api["shop"])
     assert docs[:2 + len(name)] == code[:2 + len(name)] == ["apis", ".shop"] + name
-    assert all(len(chat.tok.tokenize(word)) > 1 for word in loop.WORDS)  # no name is one token
+    assert all(len(chat.tok.tokenize(word)) > 1 for word in tiny_world.WORDS)  # no name is one token
 
 
 def test_agent_code_failures_become_observations():
     t = time.monotonic()
     w, obs, result = _run("payback01_1", "1/0", "def f(:\n  pass", "while True:\n    pass",
                           "while True: print('x' * 1000)", "open('/etc/passwd')", "import os",
-                          f'apis.bank.{loop.TinyWorld("payback01_1").api["bank"]}(name="nobody", amount=1)')
+                          f'apis.bank.{tiny_world.TinyWorld("payback01_1").api["bank"]}(name="nobody", amount=1)')
     assert time.monotonic() - t < 5
     assert "ZeroDivisionError" in obs[0]
     assert "SyntaxError" in obs[1]
@@ -637,29 +638,29 @@ def test_agent_code_failures_become_observations():
     assert result == (0, 4) and not w.done
 
 
-def test_what_the_agent_sees_does_not_depend_on_how_loop_py_was_launched(monkeypatch):
-    """`python loop.py` runs it as module __main__, tools and tests import it as loop. The same
-    erring code gives the same observation both ways: CPython names a callee with its module in
-    */** argument errors (it read `__main__.run_code.<locals>.limited_print()` vs `loop.run_...`),
-    so print and the APIs read as the agent calls them."""
+def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monkeypatch):
+    """A world's module is __main__ when run as a script (a forker's own world), its name when
+    imported. The same erring code gives the same observation both ways: CPython names a callee
+    with its module in */** argument errors (it read `__main__.run_code.<locals>.limited_print()`
+    vs `loop.run_...`), so print and the APIs read as the agent calls them."""
     import importlib.util
-    # as `python loop.py` does, under a name that is not "loop" ("__main__" would run main())
-    spec = importlib.util.spec_from_file_location("launched", loop.__file__)
+    # as `python tiny_world.py` would, under a name that is not its own
+    spec = importlib.util.spec_from_file_location("launched", tiny_world.__file__)
     launched = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "launched", launched)
     spec.loader.exec_module(launched)
-    bank = loop.TinyWorld("payback01_1").api["bank"]
+    bank = tiny_world.TinyWorld("payback01_1").api["bank"]
     codes = ['print(**apis.api_docs.show(app="bank"))', "print(*1)", f"apis.bank.{bank}(**[1])",
              "apis.api_docs.show(*5)", 'apis.api_docs.show(app_name="bank")', f"apis.bank.{bank}(1)",
              "apis.supervisor.complete_task(**'x')", "apis.supervisor.payments(1, 2)"]
     seen = {name: [module.TinyWorld("payback01_1").step(code) for code in codes]
-            for name, module in (("import", loop), ("script", launched))}
+            for name, module in (("import", tiny_world), ("script", launched))}
     assert seen["import"] == seen["script"]
     assert seen["import"][:3] == ["Execution failed. TypeError: print() argument after ** must be a mapping, not str",
                                   "Execution failed. TypeError: print() argument after * must be an iterable, not int",
                                   f"Execution failed. TypeError: apis.bank.{bank}() argument after ** must be a "
                                   "mapping, not list"]
-    assert not any(word in text for text in seen["import"] for word in ("loop", "__main__", "<locals>", "TinyWorld"))
+    assert not any(word in text for text in seen["import"] for word in ("tiny_world", "launched", "<locals>", "TinyWorld"))
 
 
 def _docs_seen(text):
@@ -671,7 +672,7 @@ def tiny_solution(text):
     """A careful agent's next code for the tiny-world conversation `text`: the docs of the app
     the task needs, then the task done with the API name the docs showed, then complete_task."""
     family = {"Order": "order", "Pay": "payback", "What": "phone"}[text.split("<|im_start|>user\n")[1].split()[0]]
-    app = loop.TinyWorld.APPS[family]
+    app = tiny_world.TinyWorld.APPS[family]
     api = _docs_seen(text).get(app)
     last = "apis.supervisor.payments()[0]"
     if api is None:
@@ -692,8 +693,8 @@ def scripted_policy(write_code):
 
 # All three tasks of the test split's scenario order00 are solved, and 2 of the 3 of phone01; the
 # policy tells them by the top wishlist item or the last payer, which it prints first.
-SOLVED = {"Order": {loop.TinyWorld(f"order00_{n}").wishlist[0] for n in (1, 2, 3)},
-          "What": {loop.TinyWorld(f"phone01_{n}").payments[0][0] for n in (1, 2)}, "Pay": set()}
+SOLVED = {"Order": {tiny_world.TinyWorld(f"order00_{n}").wishlist[0] for n in (1, 2, 3)},
+          "What": {tiny_world.TinyWorld(f"phone01_{n}").payments[0][0] for n in (1, 2)}, "Pay": set()}
 
 
 def solve_some(text):
@@ -797,8 +798,8 @@ def test_only_the_code_after_a_reasoning_block_runs():
 
 def _task_values():
     words, numbers = set(), set()
-    for t in loop.TinyWorld.tasks("train") + loop.TinyWorld.tasks("test"):
-        w = loop.TinyWorld(t)
+    for t in tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test"):
+        w = tiny_world.TinyWorld(t)
         words |= set(w.phones) | set(w.wishlist) | set(w.api.values())
         numbers |= {str(n) for n in w.phones.values()} | {str(amount) for _, amount in w.payments}
     return words, numbers
@@ -825,7 +826,7 @@ def test_no_demonstration_uses_a_name_value_or_title_of_a_task():
 
 
 def _demos(monkeypatch, n=300, look=1.0, recover=0.0, wrong=0.0):
-    monkeypatch.setattr(make_tiny_model, "LOOK", dict.fromkeys(loop.TinyWorld.FAMILIES, look))
+    monkeypatch.setattr(make_tiny_model, "LOOK", dict.fromkeys(tiny_world.TinyWorld.FAMILIES, look))
     monkeypatch.setattr(make_tiny_model, "RECOVER", recover)
     monkeypatch.setattr(make_tiny_model, "WRONG", wrong)
     rng = random.Random(0)
@@ -844,7 +845,7 @@ def test_demonstrations_are_careless_in_the_stated_ways(monkeypatch):
     for world, codes, _ in _demos(monkeypatch, wrong=1.0):  # the last entry, not the first
         assert "[-1]" in codes[1] and not _solved(world)
     for world, codes, outputs in _demos(monkeypatch, look=0.0):  # assumes a name, gives up
-        assumed = make_tiny_model.ASSUMED[loop.TinyWorld.APPS[world.family]]
+        assumed = make_tiny_model.ASSUMED[tiny_world.TinyWorld.APPS[world.family]]
         assert f"{assumed}(" in codes[0] and f"no API named '{assumed}'" in outputs[0]
         assert codes[1:] == ["apis.supervisor.complete_task()"] and not _solved(world)
     for world, codes, outputs in _demos(monkeypatch, look=0.0, recover=1.0):
@@ -913,7 +914,7 @@ def test_a_drill_is_doc_lines_each_followed_by_the_call_that_uses_it(tiny):
     _, _, chat = tiny
     e = make_tiny_model.drill_episode(random.Random(3), chat)
     text = chat.tok.decode(e.ids)
-    assert text.startswith("<|im_start|>system\n" + loop.TinyWorld.SYSTEM)
+    assert text.startswith("<|im_start|>system\n" + tiny_world.TinyWorld.SYSTEM)
     docs = re.findall(r"<\|im_start\|>user\n(apis\.\w+\.\w+)\(", text)
     calls = re.findall(r"```python\n(?:x = )?(apis\.\w+\.\w+)\(", text)
     assert len(docs) == 4 and docs == calls
@@ -959,12 +960,12 @@ def test_the_shipped_tiny_model_loads_and_starts_where_the_readme_says(tmp_path)
     loop.main(["--tiny", "--eval", "--out", str(tmp_path / "ev")])
     row = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text())
     solved = sorted(t for t, ok in row["per_task"].items() if ok)
-    assert solved == [t for t in loop.TinyWorld.tasks("test") if t.startswith("order")]
+    assert solved == [t for t in tiny_world.TinyWorld.tasks("test") if t.startswith("order")]
     assert row["tgc"] == pytest.approx(9 / 27) and row["sgc"] == pytest.approx(3 / 9)
 
 
 def test_splits_are_scenarios_of_three_and_disjoint():
-    train, test = loop.TinyWorld.tasks("train"), loop.TinyWorld.tasks("test")
+    train, test = tiny_world.TinyWorld.tasks("train"), tiny_world.TinyWorld.tasks("test")
     assert not set(train) & set(test)
     scenarios = {}
     for t in train + test:
@@ -1117,6 +1118,7 @@ def test_settings_parse_without_the_source_file(tmp_path):
     assert profiled.returncode == 0 and profiled.stdout == reference
     shutil.copytree(os.path.join(HERE, "assets"), tmp_path / "assets")
     shutil.copy(os.path.join(HERE, "tiny_config.json"), tmp_path)
+    shutil.copy(os.path.join(HERE, "tiny_world.py"), tmp_path)  # its sibling: the tiny world
     py_compile.compile(os.path.join(HERE, "loop.py"), cfile=str(tmp_path / "loop.pyc"), doraise=True)
     compiled = subprocess.run([sys.executable, str(tmp_path / "loop.pyc"), "--help"], capture_output=True, text=True,
                               cwd=tmp_path, timeout=600)
@@ -1235,13 +1237,13 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
         assert 0 <= r["reward_mean"] <= 1 and 0 <= r["clip_fraction"] <= 1 and math.isfinite(r["kl"])
     for r in evals:
         assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
-        assert len(r["per_task"]) == len(loop.TinyWorld.tasks("test"))
+        assert len(r["per_task"]) == len(tiny_world.TinyWorld.tasks("test"))
     assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
     # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
     _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]), torch.device("cpu"))
     _, shipped = loop.load_pretrained(loop.parse_config(["--tiny"]))
     text = fence(make_tiny_model.demo(random.Random(0))[1][0])
-    assert loop.Chat(tok).prompt(loop.TinyWorld("order00_1").messages()) == loop.Chat(shipped).prompt(loop.TinyWorld("order00_1").messages())
+    assert loop.Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == loop.Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
     assert tok(text)["input_ids"] == shipped(text)["input_ids"]
     loop.main(["--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
                "--out", str(tmp_path / "ev")])
@@ -1275,7 +1277,7 @@ def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
     tok.chat_template = QWEN25_TEMPLATE
     chat = loop.Chat(tok)
     assert chat.pre == "\n<|im_start|>user\n" and chat.post == "<|im_end|>\n<|im_start|>assistant\n"
-    envs = [loop.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
+    envs = [tiny_world.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
     if not with_system:
         for env in envs:
             env.messages = (lambda m: lambda: m[1:])(env.messages())
@@ -1364,7 +1366,7 @@ STOP_IDS_OF = {"qwen2.5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>
                "llama3.1": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3.0": ["<|eot_id|>", "<|end_of_text|>"],
                "gemma2": ["<end_of_turn>", "<eos>"], "gemma3": ["<end_of_turn>", "<eos>"],
                "phi3": ["<|end|>", "<|endoftext|>", "<|assistant|>"], "mistral": ["</s>"]}
-CORPUS = [loop.TinyWorld.SYSTEM, *loop.TinyWorld.FAMILIES.values(), "Execution successful. Execution failed. KeyError",
+CORPUS = [tiny_world.TinyWorld.SYSTEM, *tiny_world.TinyWorld.FAMILIES.values(), "Execution successful. Execution failed. KeyError",
           "```python\nprint(apis.api_docs.show('shop'))\nprint(apis.supervisor.wishlist())\n```", "Let me look first.",
           "apis.shop.kofi(item='lena') ordered sent to  12 the system user assistant model"]
 
@@ -1400,7 +1402,7 @@ OBSERVATIONS = ["apis.shop.kofi(item): orders an item\n", "  ['lena', 'kofi']  "
 def _episode_and_rendering(chat, replies):
     """An episode built turn by turn as rollout() builds it, and the template's rendering of the
     same conversation, up to the next generation."""
-    env, cfg = loop.TinyWorld("order00_1"), loop.Config()
+    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
     e = loop.new_episode(env, "order00_1", chat)
     for turn, (reply, observation) in enumerate(zip(replies, OBSERVATIONS)):
         loop.act(e, chat.encode(reply, literal=True) + [chat.eot], turn, chat, cfg)
@@ -1419,10 +1421,10 @@ def test_chat_follows_the_family_template(name, capsys):
     assert chat.stop_ids == sorted(tok.convert_tokens_to_ids(STOP_IDS_OF[name]))
     folded = "note: the chat template rejects a system message" in capsys.readouterr().err
     assert folded == (name == "gemma2")
-    prompt = tok.decode(chat.prompt(loop.TinyWorld("order00_1").messages()))
-    assert loop.TinyWorld.SYSTEM in prompt and prompt.count(tok.bos_token or "\x00") <= 1
+    prompt = tok.decode(chat.prompt(tiny_world.TinyWorld("order00_1").messages()))
+    assert tiny_world.TinyWorld.SYSTEM in prompt and prompt.count(tok.bos_token or "\x00") <= 1
     if folded or name in ("gemma3", "mistral"):  # the system text starts the first user message
-        assert loop.TinyWorld.SYSTEM + "\n\n" + loop.TinyWorld.FAMILIES["order"] in prompt
+        assert tiny_world.TinyWorld.SYSTEM + "\n\n" + tiny_world.TinyWorld.FAMILIES["order"] in prompt
     e, rendered = _episode_and_rendering(chat, REPLIES)
     assert e.ids == rendered  # token for token, every observation where the template puts it
     assert [i for i, out in zip(e.ids, e.is_output) if out].count(chat.eot) == len(REPLIES)
@@ -1465,7 +1467,7 @@ def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answ
         "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
     chat = loop.Chat(tok, eos)
     assert chat.reply_start == "<think>\n" and chat.render([{"role": "user", "content": "u"}]).endswith("<think>\n")
-    env, cfg = loop.TinyWorld("order00_1"), loop.Config()
+    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
     e = loop.new_episode(env, "order00_1", chat)
     cut = "Draft:\n```python\napis.supervisor.complete_task(answer=0)"  # max_new_tokens reached
     assert loop.act(e, chat.encode(cut, literal=True), 0, chat, cfg) == ""
@@ -2254,7 +2256,7 @@ def _synthetic_episodes(chat, n=8, seed=0):
     """Rollouts of different lengths and turn structure, the same on every rank and process."""
     g, eps = random.Random(seed), []
     for k in range(n):
-        e = loop.new_episode(loop.TinyWorld(loop.TinyWorld.tasks("train")[k]), "x", chat)
+        e = loop.new_episode(tiny_world.TinyWorld(tiny_world.TinyWorld.tasks("train")[k]), "x", chat)
         for turn in range(1 + k % 3):
             e.add([g.randrange(4, len(chat.tok)) for _ in range(g.randint(3, 12))], output=True, turn=turn)
             e.add(chat.observation("Execution successful."))
@@ -2692,7 +2694,7 @@ def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path)
     cfg = loop.parse_config(quick())
     model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    rows = [loop.train_iteration(model, opt, loop.Chat(tok), cfg, loop.TinyWorld.tasks("train"), it) for it in (1, 2)]
+    rows = [loop.train_iteration(model, opt, loop.Chat(tok), cfg, tiny_world.TinyWorld.tasks("train"), it) for it in (1, 2)]
     assert sum(r["steps"] for r in rows) > 0 and opt.state
     loop.save_checkpoint(str(tmp_path), model, opt, 2)
     fresh, _ = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))  # the weights before training
@@ -2863,7 +2865,7 @@ def test_each_iteration_samples_its_own_tasks_and_a_resumed_one_samples_the_same
     monkeypatch.setattr(loop, "rollout", recording)
     for iteration in (1, 2, 3, 1):
         with pytest.raises(Sampled):
-            loop.train_iteration(tiny[1], None, tiny[2], cfg, loop.TinyWorld.tasks("train"), iteration)
+            loop.train_iteration(tiny[1], None, tiny[2], cfg, tiny_world.TinyWorld.tasks("train"), iteration)
     assert len({tuple(tasks) for tasks in drawn[:3]}) == 3 and drawn[3] == drawn[0]
     assert all(tasks[i] == tasks[i - i % 3] for tasks in drawn for i in range(12))
 
@@ -2875,7 +2877,7 @@ def test_behaviour_counts_looking_first_and_recovering(tiny):
     docs, order = 'print(apis.api_docs.show(app="shop"))', "apis.shop.order(item=1)"
 
     def episode(codes, outputs):
-        e = loop.new_episode(loop.TinyWorld("order00_1"), "order00_1", chat)
+        e = loop.new_episode(tiny_world.TinyWorld("order00_1"), "order00_1", chat)
         for turn, (code, output) in enumerate(zip(codes, outputs)):
             loop.act(e, chat.encode(fence(code)) + [chat.eot], turn, chat, cfg)
             loop.observe(e, output, False, chat, cfg)

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loop  # noqa: E402
+import tiny_world  # noqa: E402
 from make_tiny_model import sft_step  # noqa: E402
 
 VOCAB = 151936  # Qwen2.5's vocabulary: the log-prob workloads project onto it
@@ -244,7 +245,7 @@ def measure(name, cfg):
         return peak_memory(sft, device)
     pairs = [(seconds(loop_update, device), seconds(sft, device)) for _ in range(5)]  # alternating
     cache_ratio, uneven_prefill_ratio, uneven_seconds = cache_figures(model, chat, cfg)
-    prompts = [chat.prompt(loop.TinyWorld(t).messages()) for t in loop.TinyWorld.tasks("test")[:8]]
+    prompts = [chat.prompt(tiny_world.TinyWorld(t).messages()) for t in tiny_world.TinyWorld.tasks("test")[:8]]
     chat.stop_ids = [len(chat.tok)]  # no id stops a turn: 64 tokens each, batched or not
 
     def one_at_a_time():

@@ -5,7 +5,7 @@
 The paper starts LOOP from a pretrained instruct model. This makes a small stand-in for one,
 offline: a byte-level BPE tokenizer trained on the tiny world's own text, a random Qwen2-
 architecture model of --shape, and a supervised warm-up in worlds whose API names and values no
-task of loop.TinyWorld uses:
+task of tiny_world.TinyWorld uses:
 1. docs-reading drills, what pretraining gives a real model: copying a name from the context.
    8 drills a step until the model writes 90% of 64 fresh ones exactly (at most --drills steps);
 2. a careless agent's demonstrations (--demos steps): it knows the task families and their code,
@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loop  # noqa: E402
+import tiny_world  # noqa: E402
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
@@ -37,8 +38,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # The pools' values that no task draws: no demonstration shows a name or a number of any task.
-DEMO_VALUES = {key: [v for v in pool if v not in loop.TASK_VALUES[key]]
-               for key, pool in (("words", loop.WORDS), ("numbers", loop.NUMBERS))}
+DEMO_VALUES = {key: [v for v in pool if v not in tiny_world.TASK_VALUES[key]]
+               for key, pool in (("words", tiny_world.WORDS), ("numbers", tiny_world.NUMBERS))}
 
 # The careless agent, a stand-in for an instruction-tuned model on apps it does not know. Each
 # demonstration reads the docs before acting with probability LOOK (by family), else calls the API
@@ -53,7 +54,7 @@ WRONG = 0.3
 
 def unseen(rng):
     """A world of a random family whose names and values no task uses."""
-    world = loop.TinyWorld(f"{rng.choice(list(loop.TinyWorld.FAMILIES))}00_1")
+    world = tiny_world.TinyWorld(f"{rng.choice(list(tiny_world.TinyWorld.FAMILIES))}00_1")
     world.task_id = "demo"
     world.populate(rng, DEMO_VALUES)
     return world
@@ -110,13 +111,13 @@ def corpus():
     in syllables. Had a demonstration's name become one token, it would be a different kind of
     token than the pieces of a task's name, and copying it would not carry over."""
     rng = random.Random(0)
-    text = [loop.TinyWorld.SYSTEM] * 20
+    text = [tiny_world.TinyWorld.SYSTEM] * 20
     for _ in range(2000):
         world, codes = demo(rng)
         text.append(world.instruction)
         for code in codes:
             text += [fence(code), world.step(code)]
-    pool = set(loop.WORDS)
+    pool = set(tiny_world.WORDS)
 
     def spell(match):
         word = match.group()
@@ -168,7 +169,7 @@ def drill_episode(rng, chat, exchanges=4):
     for turn in range(exchanges):
         doc, code = drill(rng)
         if turn == 0:
-            e.add(chat.prompt([{"role": "system", "content": loop.TinyWorld.SYSTEM},
+            e.add(chat.prompt([{"role": "system", "content": tiny_world.TinyWorld.SYSTEM},
                                {"role": "user", "content": doc}]))
         else:
             e.add(chat.observation(doc))

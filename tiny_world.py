@@ -1,0 +1,202 @@
+"""The tiny world: an offline miniature of AppWorld, and the template for a new environment.
+
+Copy this file to train in your own environment. loop.py makes one object per episode and calls:
+
+    Env.tasks(split)                -> task ids "<scenario>_<n>" (scenario: what SGC groups by);
+                                       raise ValueError for a split it does not have
+    Env(task_id, timeout, experiment)  one world per episode (experiment: a name for its outputs)
+    env.messages()                  -> the chat that opens the episode (system and user)
+    env.step(code)                  -> the observation: what running the agent's code printed
+    env.done                        -> optional: True once the task is finished (default False:
+                                       the episode runs to --max-turns)
+    env.evaluate()                  -> (tests passed, tests total), or None if the world failed
+    env.close()                     -> optional: free the world now (the rollout was interrupted)
+    Env.DOCS_CALL, Env.ERROR_PREFIX    optional: code text that reads documentation and the start
+                                       of an error observation, for the behaviour shares
+
+Register it from your own script and run loop's command line (see the README):
+
+    import loop, my_world
+    loop.ENVS["mine"] = my_world.MyWorld
+    loop.main()                     # python my_script.py --env mine --model ...
+"""
+import builtins
+import random
+import sys
+import time
+
+class CodeLimit(BaseException):
+    """Not an Exception: the agent's own `except Exception` cannot swallow it."""
+
+SAFE_BUILTINS = {name: getattr(builtins, name) for name in (
+    "abs all any bool dict enumerate filter float int isinstance len list map max min print range "
+    "repr reversed round set sorted str sum tuple zip Exception KeyError ValueError TypeError"
+).split()}
+
+def run_code(code, namespace, timeout, max_chars=20000):
+    """Run agent code in a persistent namespace with restricted builtins and a deadline. Whatever
+    happens (exception, syntax error, endless loop, flood of output) comes back as text."""
+    output = []
+    printed = 0
+    deadline = time.monotonic() + timeout
+
+    def limited_print(*args, sep=" ", end="\n", **_):
+        nonlocal printed
+        text = sep.join(map(str, args)) + end
+        printed += len(text)
+        if printed > max_chars:
+            raise CodeLimit(f"output exceeded {max_chars} characters")
+        output.append(text)
+
+    def tracer(frame, event, arg):  # a line-level deadline works in any thread, unlike signals
+        if time.monotonic() > deadline:
+            raise CodeLimit(f"code ran longer than {timeout} s")
+        return tracer
+
+    # its errors read as print's, whatever the module (__main__ when run as a script)
+    limited_print.__name__ = limited_print.__qualname__ = "print"
+    limited_print.__module__ = None
+    namespace["__builtins__"] = dict(SAFE_BUILTINS, print=limited_print)
+    status = ""
+    previous = sys.gettrace()
+    try:
+        sys.settrace(tracer)
+        exec(compile(code, "<agent>", "exec"), namespace)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the agent's failure is an observation, not a crash
+        status = f"Execution failed. {type(e).__name__}: {e}"
+    finally:
+        sys.settrace(previous)
+    return ("".join(output) + status).strip() or "Execution successful."
+
+SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+WORDS = random.Random(0).sample([a + b for a in SYLLABLES for b in SYLLABLES], 560)  # kofi, lena
+"""Names and product titles: two syllables each."""
+NUMBERS = [str(n) for n in random.Random(1).sample(range(10, 100), 90)]
+# Tasks draw from the first part of each pool; the tiny model's warm-up saw only the rest.
+TASK_VALUES = {"words": WORDS[:60], "numbers": NUMBERS[:30]}
+
+class App:
+    """An app whose APIs are its attributes, called as apis.bank.kofi(name=..., amount=...)."""
+
+    def __init__(self, name, **apis):
+        for api, function in apis.items():
+            if callable(function):  # its errors name it as the agent calls it, module-free
+                function.__name__, function.__qualname__ = api, f"apis.{name}.{api}"
+                function.__module__ = None
+        self.__dict__.update(apis)
+        self.app_name = name
+
+    def __getattr__(self, api):  # only for names the app lacks
+        raise AttributeError(f"{self.app_name} has no API named {api!r}")
+
+class TinyWorld:
+    """A miniature AppWorld: a shop, a bank and contacts behind `apis`, whose API names change
+    from world to world and are in no prompt, as an AppWorld agent meets apps it does not know:
+    only apis.api_docs tells them. A supervisor receives the answer; unit-test-like checks judge
+    the end state. Tasks come in scenarios of three (one template, three worlds); train and test
+    hold other scenarios."""
+
+    FAMILIES = {"order": "Order the item at the top of my wishlist.",
+                "payback": "Pay back the last person who paid me, the same amount.",
+                "phone": "What is the phone extension of the last person who paid me?"}
+    APPS = {"order": "shop", "payback": "bank", "phone": "contacts"}
+    SYSTEM = ("Apps: shop, bank, contacts; see apis.api_docs.show(app). Mine: "
+              "apis.supervisor.wishlist(), apis.supervisor.payments() (latest first), "
+              "apis.supervisor.complete_task(answer=None)")
+    DOCS_CALL, ERROR_PREFIX = "apis.api_docs.", "Execution failed"  # for the behaviour shares
+
+    @staticmethod
+    def tasks(split):
+        """Per family 12 scenarios of 3 tasks: 9 scenarios train, 3 test."""
+        if split not in ("train", "test"):
+            raise ValueError(f"the tiny world's splits are train and test, not {split!r}")
+        scenarios = range(3) if split == "test" else range(3, 12)
+        return [f"{family}{i:02d}_{n}" for family in TinyWorld.FAMILIES for i in scenarios
+                for n in (1, 2, 3)]
+
+    def __init__(self, task_id, timeout=5.0, experiment=None):
+        self.task_id = task_id
+        self.timeout = timeout
+        self.family = task_id.split("_")[0].rstrip("0123456789")
+        self.populate(random.Random(task_id), TASK_VALUES)
+
+    def populate(self, rng, values):
+        """The world's state, drawn from `values` (TASK_VALUES; the warm-up's worlds: the rest)."""
+        words = rng.sample(values["words"], 10)
+        people = words[:4]
+        # APIs named anew in each world, as AppWorld's apps are new to an agent: guesses fail
+        self.api = dict(zip(self.APPS.values(), words[4:7]))
+        self.wishlist = words[7:]  # top first
+        self.phones = dict(zip(people, map(int, rng.sample(values["numbers"], 4))))
+        amounts = map(int, rng.sample(values["numbers"], 2))
+        self.payments = list(zip(people[:2], amounts))  # latest first
+        self.instruction = self.FAMILIES[self.family]
+        self.transfers = []
+        self.orders = []
+        self.answer = None
+        self.done = False
+        self.namespace = {"apis": self.apis()}
+
+    def apis(self):
+        def wishlist():
+            return list(self.wishlist)
+
+        def payments():
+            return [{"name": who, "amount": amount} for who, amount in self.payments]
+
+        def buy(item):
+            self.orders.append(item)
+            return f"ordered {item}"
+
+        def send(name, amount):
+            phone(name)  # a contact of that name
+            self.transfers.append((name, amount))
+            return f"sent {amount} to {name}"
+
+        def phone(name):
+            if name not in self.phones:
+                raise KeyError(f"no contact named {name!r}")
+            return self.phones[name]
+
+        def complete_task(answer=None):
+            self.answer = answer
+            self.done = True
+            return "task completed"
+
+        def show(app):
+            return self.docs(app)
+
+        supervisor = App("supervisor", wishlist=wishlist, payments=payments,
+                         complete_task=complete_task)
+        return App("apis", api_docs=App("api_docs", show=show), supervisor=supervisor,
+                   shop=App("shop", **{self.api["shop"]: buy}),
+                   bank=App("bank", **{self.api["bank"]: send}),
+                   contacts=App("contacts", **{self.api["contacts"]: phone}))
+
+    def docs(self, app):
+        docs = {"shop": "(item): orders an item", "bank": "(name, amount): sends money",
+                "contacts": "(name): a phone extension"}
+        if app not in docs:
+            raise KeyError(f"no app named {app!r}; the apps are shop, bank, contacts")
+        return f"apis.{app}.{self.api[app]}{docs[app]}"
+
+    def messages(self):
+        return [{"role": "system", "content": self.SYSTEM},
+                {"role": "user", "content": self.instruction}]
+
+    def step(self, code):
+        return run_code(code, self.namespace, self.timeout)
+
+    def evaluate(self):
+        """Checks on the end state; partial credit always points at the full solution."""
+        last, amount = self.payments[0]
+        if self.family == "order":
+            checks = [len(self.orders) == 1, self.orders == self.wishlist[:1]]
+        elif self.family == "payback":
+            checks = [len(self.transfers) == 1, [to for to, _ in self.transfers] == [last],
+                      [amount for _, amount in self.transfers] == [amount]]
+        else:
+            checks = [self.answer in self.phones.values(), self.answer == self.phones[last]]
+        return sum(checks) + self.done, len(checks) + 1
