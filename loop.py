@@ -12,6 +12,7 @@ no reference model, one copy of the LLM.
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import itertools
 import json
 import math
@@ -93,6 +94,7 @@ class Config:
     lora: bool = setting(False,
         "Train the paper's LoRA adapter (rank 16, alpha 32, all projections), not all weights.")
     resume: str = setting("", "Run directory to continue from its last complete checkpoint.")
+    track: str = setting("", "Also log metrics to tensorboard, wandb, or both (tensorboard,wandb).")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(HERE, "tiny_config.json")
@@ -100,6 +102,10 @@ AT_LEAST = {"iterations": 0, "rollouts_per_task": 2, "weight_decay": 0, "min_abs
             "eval_temperature": 0}
 """The lowest value of the numeric settings that may reach it; all others but seed must be > 0."""
 RATIOS = ("token", "turn", "trajectory", "none")
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb<0.19"}
+"""--track's loggers, each with what to install (wandb 0.19 on needs pydantic 2, appworld 1)."""
+FIXED = ("model", "lora")
+"""The settings a checkpoint's tensors depend on: a resumed run keeps its own."""
 
 def die(message):
     """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
@@ -109,16 +115,18 @@ def die(message):
 def parse_config(argv):
     """Defaults <- tiny_config.json (--tiny) <- --config FILE (or the resumed run's) <- flags."""
     hints = typing.get_type_hints(Config)
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,  # --iteration: no
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = lambda message: die(f"{message} (see --help)")  # one line, not the usage
     parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
     parser.add_argument("--tiny", action="store_true", help="the settings of tiny_config.json")
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
+        doc = f.metadata["doc"] + (f" (default: {f.default})" if f.default != "" else "")
         if hints[f.name] is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=f.metadata["doc"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=doc)
         else:
-            parser.add_argument(flag, type=hints[f.name], help=f.metadata["doc"])
+            parser.add_argument(flag, type=hints[f.name], help=doc)
     args = parser.parse_args(argv)
     values = {}
     if args.resume and (args.tiny or args.config):
@@ -126,6 +134,10 @@ def parse_config(argv):
             "not --tiny or --config")
     if args.resume:
         values = read_config_file(os.path.join(args.resume, "config.json"), hints)
+        for key in FIXED:  # before anything is written: the run stays resumable as it was
+            if getattr(args, key) not in (None, values[key]):
+                die(f"--{key} cannot change when resuming: {args.resume}'s checkpoint holds "
+                    f"the weights of {key} = {values[key]!r}; start a new run for another")
     if args.tiny:
         values = read_config_file(TINY_CONFIG, hints)
     if args.config:
@@ -164,6 +176,11 @@ def check_config(cfg):
         die(f"--env must be one of {', '.join(ENVS)}, got {cfg.env!r}")
     if cfg.ratio not in RATIOS:
         die(f"--ratio must be one of {', '.join(RATIOS)}, got {cfg.ratio!r}")
+    if not set(cfg.track.split(",")) <= {"", *TRACKERS}:
+        die(f"--track takes {' or '.join(TRACKERS)} or both, comma-separated, got {cfg.track!r}")
+    for name in filter(None, cfg.track.split(",")):  # now, not when the first row is logged
+        if importlib.util.find_spec(name) is None:
+            die(f"--track {name} needs its package: pip install '{TRACKERS[name]}'")
     for f in dataclasses.fields(Config):
         value = getattr(cfg, f.name)
         if f.type not in (int, float) or f.name == "seed":
@@ -182,6 +199,8 @@ def load_pretrained(cfg):
     """A local directory (a run's model/ too) or a Hugging Face id: from the cache, else the hub."""
     from huggingface_hub import snapshot_download
     path = os.path.expanduser(cfg.model)
+    if os.path.exists(os.path.join(path, "metrics.jsonl")):  # `--model runs/x`
+        die(f"{cfg.model} is a run directory: its trained model is {os.path.join(path, 'model')}")
     if not os.path.isdir(path):
         try:  # its folder in the cache: loading it by id would still ask the hub about adapters
             return from_pretrained(snapshot_download(cfg.model, local_files_only=True), cfg)
@@ -583,6 +602,7 @@ class Episode:
     done: bool = False
     reward: float = 0.0
     success: bool = False
+    checks: tuple = (0, 0)  # the world's tests: passed, total
     failed: bool = False  # the world died, hung or did not start: an infrastructure failure
     looked_first: bool = False  # a habit RL changes (§5): the first code reads the docs
     erred: bool = False  # another: an error observation was met
@@ -692,7 +712,7 @@ def turns(envs, task_ids, chat, cfg, carry_cache, episodes):
             yield live, turn, carry
         for e, result in zip(wave, together([e.env.evaluate for e in wave])):
             e.failed = result is None  # the world broke: no reward, not even 0
-            passed, total = result or (0, 1)
+            passed, total = e.checks = result or (0, 1)
             e.reward = passed / total
             e.success = passed == total
 
@@ -973,6 +993,7 @@ def goal_completion(results):
             "per_task": {task_id: success for task_id, success, _ in results}}
 
 def evaluate(model, chat, cfg, split, iteration, run_dir):
+    started = time.time()
     env = ENVS[cfg.env]
     rank, world = rank_world()
     tasks = env.tasks(split)[rank::world]  # each rank plays its share; rank 0 gathers the results
@@ -987,20 +1008,30 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
         results = [r for part in parts for r in part]
     failures = all_reduce([sum(e.failed for e in episodes)])[0]  # counted as not completed
     row = {"iteration": iteration, "split": split, **goal_completion(results),
-           "env_failures": int(failures)}
+           "env_failures": int(failures), "seconds": round(time.time() - started, 2)}
     if cfg.env == "appworld":  # `appworld evaluate <experiment> <split>` reports the same numbers
         row["appworld_experiment"] = experiment
     if rank == 0:
-        write_transcripts(os.path.join(run_dir, "transcripts"), f"{split}_iter{iteration:04d}",
-                          episodes[:3])
+        folder = os.path.join(run_dir, "transcripts")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{split}_iter{iteration:04d}.txt"), "w") as fh:
+            fh.write("".join(map(transcript, spread(episodes))))
     return row
 
-def write_transcripts(folder, name, episodes):
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"{name}.txt"), "w") as fh:
-        for e in episodes:
-            fh.write(f"=== {e.task_id} reward={e.reward:.2f} success={e.success}\n")
-            fh.write("".join(f"--- {m['role']}\n{m['content']}\n" for m in e.transcript) + "\n")
+def spread(episodes, n=3):
+    """The first episode of n scenarios spread evenly over the split, the same at each evaluation
+    (a split's first tasks may all be of a kind the model solves before any training)."""
+    first = {}
+    for e in episodes:
+        first.setdefault(e.task_id.split("_")[0], e)
+    firsts = list(first.values())
+    return [firsts[i * len(firsts) // n] for i in range(min(n, len(firsts)))]
+
+def transcript(e):
+    """An episode as text: its task, the checks it passed, then every message."""
+    failed = " (the world failed)" if e.failed else ""
+    head = f"=== {e.task_id}: {e.checks[0]} of {e.checks[1]} checks passed{failed}\n"
+    return head + "".join(f"--- {m['role']}\n{m['content']}\n" for m in e.transcript) + "\n"
 
 
 # 9. Checkpoints: trainable weights (the adapter with LoRA) and optimizer state by name through
@@ -1031,32 +1062,49 @@ def save_checkpoint(run_dir, model, opt, iteration):
         os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
 
-def load_checkpoint(run_dir, model, opt):
-    """Weights and AdamW from the newest complete checkpoint; returns its iteration (none: 0)."""
+def last_checkpoint(run_dir):
+    """The newest complete checkpoint of a run and its iteration; (None, 0) if it has none."""
     import torch.distributed.checkpoint as dcp
-    import torch.distributed.checkpoint.state_dict as sd
     paths = [os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.old")]
     paths = [p for p in paths if os.path.isdir(p)]
     if not paths:
-        return 0
-    saved = dcp.FileSystemReader(paths[0]).read_metadata().state_dict_metadata
+        return None, 0
+    state = {"iteration": 0}
+    dcp.load(state, checkpoint_id=paths[0])  # that value alone: no tensor is read
+    return paths[0], state["iteration"]
+
+def load_checkpoint(path, model, opt):
+    """The trainable weights and AdamW's state from a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as sd
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     stepped = any(key.startswith("optim.") for key in saved)  # else a fresh AdamW is its state
-    state = train_state(model, opt, optimizer=stepped) | {"iteration": 0}
-    dcp.load(state, checkpoint_id=paths[0])
+    state = train_state(model, opt, optimizer=stepped)
+    dcp.load(state, checkpoint_id=path)
     options = sd.StateDictOptions(strict=False)
     sd.set_model_state_dict(model, state["model"], options=options)
     if stepped:
         sd.set_optimizer_state_dict(model, opt, state["optim"], options=options)
-    return state["iteration"]
 
-def save_model(run_dir, model, tok):
-    """The full weights (or the LoRA adapter) and the tokenizer, loadable with from_pretrained."""
+def save_model(run_dir, model, tok, iteration):
+    """The full weights (or the LoRA adapter) and the tokenizer, loadable with from_pretrained,
+    and trained.json: the iterations they were trained for, which --eval of them reports."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)  # every rank: it gathers the shards
     if rank_world()[0] == 0:
         model.save_pretrained(os.path.join(run_dir, "model"), state_dict=state)
         tok.save_pretrained(os.path.join(run_dir, "model"))
+        trained = json.dumps({"run": os.path.abspath(run_dir), "iteration": iteration})
+        write_atomically(os.path.join(run_dir, "model", "trained.json"), trained)
+
+def trained_iterations(model_dir):
+    """The iterations a run's model/ was trained for; 0 for weights no run of loop.py made."""
+    path = os.path.join(os.path.expanduser(model_dir), "trained.json")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as fh:
+        return json.load(fh)["iteration"]
 
 def read_metrics(path):
     """The rows of a metrics.jsonl; a line cut short by a kill while it was written is dropped."""
@@ -1082,6 +1130,45 @@ def write_atomically(path, text):
     with open(path + ".tmp", "w") as fh:
         fh.write(text)
     os.replace(path + ".tmp", path)
+
+def summary(row):
+    """The console's line for a metrics row: the numbers to watch (metrics.jsonl has them all)."""
+    failed = f", {row['env_failures']} worlds failed" if row["env_failures"] else ""
+    if "split" in row:
+        return (f"iteration {row['iteration']}: {row['split']} TGC {100 * row['tgc']:.1f}% "
+                f"SGC {100 * row['sgc']:.1f}% of {row['tasks']} tasks{failed}, "
+                f"{row['seconds']:.0f} s")
+    return (f"iteration {row['iteration']}: reward {row['reward_mean']:.3f} success "
+            f"{100 * row['success_rate']:.1f}% kl {row['kl']:.3f} clip "
+            f"{row['clip_fraction']:.3f}{failed}, {row['seconds']:.0f} s")
+
+class Trackers:
+    """--track: every number of a metrics row to TensorBoard and/or wandb (imported only when
+    asked for), under train/ or the split evaluated, with the iteration as the step."""
+
+    def __init__(self, cfg, run_dir):
+        names = cfg.track.split(",")
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if "wandb" in names:
+            import wandb
+            configured = os.environ.get("WANDB_MODE") or wandb.api.api_key  # else offline
+            self.wandb = wandb.init(project="loop", dir=run_dir, config=dataclasses.asdict(cfg),
+                                    name=os.path.basename(os.path.abspath(run_dir)),
+                                    mode=None if configured else "offline")
+
+    def log(self, row):
+        group = row.get("split", "train")
+        scalars = {f"{group}/{key}": float(value) for key, value in row.items()
+                   if isinstance(value, (int, float)) and key != "iteration"}
+        if self.tensorboard:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, row["iteration"])
+            self.tensorboard.flush()
+        if self.wandb:
+            self.wandb.log(scalars, step=row["iteration"])
 
 
 # 10. Main: iterations of rollouts -> advantages -> update
@@ -1157,39 +1244,43 @@ def name_run_dir(cfg):
     return run_dir
 
 def make_run_dir(run_dir, cfg):
+    """config.json: the settings of the run, the directory it writes to as its --out."""
     if rank_world()[0] == 0:
         os.makedirs(run_dir, exist_ok=True)
-        settings = json.dumps(dataclasses.asdict(cfg) | {"resume": ""}, indent=1)
+        settings = json.dumps(dataclasses.asdict(cfg) | {"out": run_dir, "resume": ""}, indent=1)
         write_atomically(os.path.join(run_dir, "config.json"), settings)
+
+def say(text):
+    if rank_world()[0] == 0:
+        tqdm.write(text, file=sys.stderr)
 
 def main(argv=None):
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1-process DCP
     if cfg.fsdp:
         start_distributed()
-    run(cfg)
+    run_dir = name_run_dir(cfg)
+    try:
+        run(cfg, run_dir)
+    except KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
+        started = os.path.exists(os.path.join(run_dir, "config.json"))
+        launcher = "torchrun --nproc_per_node G" if cfg.fsdp else "python"
+        say(f"\ninterrupted: continue with `{launcher} {os.path.basename(sys.argv[0])} --resume "
+            f"{run_dir}`" if started else "\ninterrupted before the run started: nothing written")
+        sys.exit(130)
     if cfg.fsdp:  # not after an error: the failed rank would wait here for ranks waiting for it
         dist.barrier()  # a rank that tore it down while another still wrote the model aborted
         dist.destroy_process_group()
 
-def run(cfg):
-    """The run directory, the model, the iteration-0 evaluation, then LOOP's iterations."""
+def run(cfg, run_dir):
+    """The model, the iteration-0 evaluation, then LOOP's iterations, all written to run_dir."""
     rank = rank_world()[0]
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                           else "cpu")
-    run_dir = name_run_dir(cfg)
     metrics = os.path.join(run_dir, "metrics.jsonl")
-
-    def log(row):  # rank 0 only; the numbers are already reduced over ranks
-        row.setdefault("seconds", round(time.time() - t0, 1))  # an evaluation: since the start
-        if rank == 0:
-            with open(metrics, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
-            shown.pop("per_task", None)
-            tqdm.write(json.dumps(shown))
-
-    t0 = time.time()
+    checkpoint, start = last_checkpoint(run_dir) if cfg.resume else (None, 0)
+    if checkpoint and start >= cfg.iterations and os.path.isdir(os.path.join(run_dir, "model")):
+        return say(f"{run_dir} is finished ({start} iterations): nothing to do")
     try:  # a missing data root or an unknown split stops before the model loads
         eval_tasks = ENVS[cfg.env].tasks(cfg.split)
         train_tasks = [] if cfg.eval else ENVS[cfg.env].tasks(cfg.train_split)
@@ -1206,25 +1297,38 @@ def run(cfg):
     if not trainable and not cfg.eval:  # a LoRA run's model/ loads its adapter frozen
         die(f"{cfg.model} has no weights to train: evaluate it with --eval, or continue the run "
             "that made it with --resume")
-    make_run_dir(run_dir, cfg)  # only now: a start that failed leaves no run directory behind
     opt = None
     if trainable:
         opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if checkpoint:
+        load_checkpoint(checkpoint, model, opt)
+    make_run_dir(run_dir, cfg)  # only now: a start that failed leaves the run as it was, or none
+    say(f"resuming {run_dir} from iteration {start}" if checkpoint else f"writing to {run_dir}")
+    trackers = Trackers(cfg, run_dir) if rank == 0 else None
+
+    def log(row):  # rank 0 only; the numbers are already reduced over ranks
+        if rank == 0:
+            with open(metrics, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            trackers.log(row)
+            tqdm.write(summary(row))
+
     # FSDP casts by its own mixed-precision policy
     with torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
-        start = load_checkpoint(run_dir, model, opt) if cfg.resume else 0
+        if cfg.eval:  # a run's trained model/ reports the iteration it was trained to
+            log(evaluate(model, chat, cfg, cfg.split, trained_iterations(cfg.model), run_dir))
+            return say(f"evaluated: {metrics}")
         kept = keep_rows(metrics, start) if cfg.resume and rank == 0 else []
         # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
         if not start and not all_reduce([any("split" in r for r in kept)], "max")[0]:
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir))
-        if cfg.eval:
-            return
         for it in tqdm(range(start + 1, cfg.iterations + 1), desc="LOOP", disable=rank != 0):
             log(train_iteration(model, opt, chat, cfg, train_tasks, it))
             if it % cfg.eval_every == 0 or it == cfg.iterations:
                 log(evaluate(model, chat, cfg, cfg.split, it, run_dir))
             save_checkpoint(run_dir, model, opt, it)
-    save_model(run_dir, model, tok)
+    save_model(run_dir, model, tok, max(start, cfg.iterations))
+    say(f"finished: {run_dir} holds metrics.jsonl, transcripts/ and the trained model/")
 
 if __name__ == "__main__":
     main()

@@ -23,8 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "assets", "tiny-model")  # what --tiny starts from
 sys.path.insert(0, os.path.join(HERE, "tools"))
 import ablation  # noqa: E402
-import behaviour  # noqa: E402
 import make_tiny_model  # noqa: E402
+import play  # noqa: E402
+import plot  # noqa: E402
 from make_tiny_model import fence  # noqa: E402
 
 
@@ -1054,6 +1055,179 @@ def test_help_shows_each_settings_docstring(capsys):
     assert "K: rollouts per task, the leave-one-out group (paper: 6)." in out
 
 
+def test_help_shows_defaults_and_a_wrong_or_shortened_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        loop.parse_config(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "appworld, or tiny: an offline miniature of AppWorld. (default: appworld)" in out
+    assert "(default: Qwen/Qwen2.5-32B-Instruct)" in out and "(paper: 6). (default: 6)" in out
+    code, err = _error(capsys, "--iterations", "abc")
+    assert code == 2 and "--iterations: invalid int value: 'abc'" in err
+    code, err = _error(capsys, "--tiny", "--iteration", "1")  # not taken as --iterations
+    assert code == 2 and "unrecognized arguments: --iteration 1" in err
+
+
+def test_a_run_directory_given_as_the_model_says_where_its_model_is(tmp_path, capsys):
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    code, err = _error(capsys, "--tiny", "--eval", "--model", str(tmp_path / "run"), "--out", str(tmp_path / "ev"))
+    assert code == 2 and f"its trained model is {tmp_path / 'run' / 'model'}" in err
+    assert not (tmp_path / "ev").exists()
+
+
+SUM_WORLD = '''
+import sys
+sys.path.insert(0, {here!r})
+import loop
+import tiny_world
+
+
+class SumWorld:
+    """Only what tiny_world.py's docstring requires: no done, no close(), no behaviour strings."""
+
+    @staticmethod
+    def tasks(split):
+        return [f"sum{{i}}_1" for i in range(4)]
+
+    def __init__(self, task_id, timeout, experiment):
+        self.timeout = timeout
+        self.codes = []
+
+    def messages(self):
+        return [{{"role": "system", "content": tiny_world.TinyWorld.SYSTEM}},
+                {{"role": "user", "content": "Order the item at the top of my wishlist."}}]
+
+    def step(self, code):
+        self.codes.append(code)
+        return tiny_world.run_code(code, {{}}, self.timeout)
+
+    def evaluate(self):  # a check for code at all, one for calling the supervisor
+        return (bool(self.codes) + any("supervisor" in code for code in self.codes), 2)
+
+
+loop.ENVS["sum"] = SumWorld
+loop.main()
+'''
+
+
+def test_a_new_environment_with_only_the_required_members_trains_from_its_own_script(tmp_path):
+    """The README's way: a forker's script registers its world and runs loop's command line."""
+    script = tmp_path / "my_world.py"
+    script.write_text(SUM_WORLD.format(here=HERE))
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--env", "sum", "--iterations", "1",
+                        "--tasks-per-iteration", "4", "--rollouts-per-task", "3", "--max-turns", "2",
+                        "--eval-max-turns", "2", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    train, final = [r for r in loop.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
+    assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
+    assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
+
+
+def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_changes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    loop.main([*quick(), "--iterations", "1", "--out", str(run)])
+    assert f"writing to {run}" in capsys.readouterr().err
+    config = (run / "config.json").read_text()
+    assert json.loads(config)["out"] == str(run)
+    for flags, message in [(["--lora"], "--lora cannot change when resuming"),
+                           (["--model", str(tmp_path / "other")], "--model cannot change when resuming"),
+                           (["--iterations", "2", "--split", "nosuch"], "splits are train and test")]:
+        code, err = _error(capsys, "--resume", str(run), *flags)
+        assert code == 2 and message in err
+        assert (run / "config.json").read_text() == config  # rewritten only once a resume started
+
+    def unreadable(*args):
+        raise RuntimeError("a checkpoint that cannot be read")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "load_checkpoint", unreadable)
+        with pytest.raises(RuntimeError):
+            loop.main(["--resume", str(run), "--iterations", "2"])
+    assert (run / "config.json").read_text() == config
+    loop.main(["--resume", str(run), "--iterations", "2"])
+    assert f"resuming {run} from iteration 1" in capsys.readouterr().err
+    assert json.loads((run / "config.json").read_text())["iterations"] == 2
+    train, final = loop.read_metrics(run / "metrics.jsonl")[-2:]
+    assert final["split"] == "test" and final["seconds"] < train["seconds"]  # its own, not the process's
+    loop.main(["--resume", str(run), "--iterations", "2"])
+    assert capsys.readouterr().err.strip() == f"{run} is finished (2 iterations): nothing to do"
+
+
+def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        for line in proc.stdout:  # the iteration-0 evaluation is logged: training has begun
+            if line.startswith("iteration 0:"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"interrupted: continue with `python loop.py --resume {run}`"
+
+
+def test_the_console_shows_a_short_line_per_row_and_the_tracker_every_number(tmp_path, capsys):
+    """TensorBoard's event file, read back, holds each row's numbers at its iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = tmp_path / "run"
+    loop.main([*quick(), "--iterations", "2", "--eval-every", "1", "--track", "tensorboard", "--out", str(run)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration ")]
+    assert len(lines) == 5 and all(len(line) < 100 for line in lines)
+    assert lines[1].startswith("iteration 1: reward ") and " TGC " in lines[2]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    rows = loop.read_metrics(run / "metrics.jsonl")
+    for tag, key, split in [("train/reward_mean", "reward_mean", None), ("train/kl", "kl", None),
+                            ("train/grad_norm", "grad_norm", None), ("test/tgc", "tgc", "test")]:
+        logged = [(s.step, s.value) for s in events.Scalars(tag)]
+        expected = [(r["iteration"], r[key]) for r in rows if r.get("split") == split]
+        assert [step for step, _ in logged] == [step for step, _ in expected], tag
+        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6), tag
+    assert "train/per_task" not in events.Tags()["scalars"]
+
+
+def test_wandb_logs_offline_unless_configured_with_the_iteration_as_step(tmp_path, monkeypatch):
+    import importlib.machinery
+    import types
+    calls = []
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    wandb.api = types.SimpleNamespace(api_key=None)
+    wandb.init = lambda **kwargs: calls.append(("init", kwargs)) or wandb
+    wandb.log = lambda scalars, step: calls.append(("log", step, scalars))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run = tmp_path / "run"
+    loop.main([*quick(), "--iterations", "1", "--track", "wandb", "--out", str(run)])
+    (_, init), *logs = calls
+    assert init["mode"] == "offline" and init["dir"] == str(run) and init["config"]["track"] == "wandb"
+    rows = loop.read_metrics(run / "metrics.jsonl")
+    assert [step for _, step, _ in logs] == [r["iteration"] for r in rows] == [0, 1, 1]
+    assert logs[1][2]["train/reward_mean"] == pytest.approx(rows[1]["reward_mean"])
+
+
+def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find(name, *a))
+    code, err = _error(capsys, "--tiny", "--track", "tensorboard,wandb", "--out", str(tmp_path / "run"))
+    assert code == 2 and "pip install 'wandb<0.19'" in err and not (tmp_path / "run").exists()
+
+
+def test_play_prints_the_episodes_of_the_tasks_named(capsys):
+    play.main(["--tiny", "--task", "payback01_2", "--task", "order00_1", "--eval-max-turns", "2"])
+    out = capsys.readouterr().out
+    heads = re.findall(r"^=== (\w+): (\d) of (\d) checks passed$", out, flags=re.M)
+    assert [task for task, _, _ in heads] == ["payback01_2", "order00_1"]
+    assert out.count("--- assistant\n") >= 2 and "Pay back the last person" in out
+    with pytest.raises(SystemExit) as stop:
+        play.main(["--tiny", "--task", "nosuch_1"])
+    assert stop.value.code == 2 and "no task 'nosuch_1'" in capsys.readouterr().err
+
+
 def _hub(status):
     """A Hugging Face hub on localhost whose every answer is `status` with the hub's error code."""
     import http.server
@@ -1153,8 +1327,9 @@ def _fake_runs(root):
         its = 0 if name.startswith("evalonly") else 20
         cfg = {"iterations": its, "ratio": ratio, "normalize_rewards": False, "seed": int(name[-1])}
         (root / name / "config.json").write_text(json.dumps(cfg))
-        rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 100.0 + 50 * i}
-                for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c, "kl": 2 * c} for i, c in enumerate(clip)]
+        rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 20.0}
+                for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c, "kl": 2 * c, "seconds": 70.0}
+                                                              for i, c in enumerate(clip)]
         (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with open(root / "token-1" / "metrics.jsonl", "a") as fh:
         fh.write('{"iteration": 21, "clip_fr')  # a line cut short by a kill: left out
@@ -1168,7 +1343,7 @@ def test_ablation_report_by_hand(tmp_path, capsys):
     # neither. AUC by trapezoids over 0..20: LOOP 0 (10 * .3 + 10 * .75) / 20 = 52.5%, LOOP 1
     # (2 + 4.5) / 20 = 32.5%, per-turn (0 + 1) / 20 = 5% and (.5 + 2.5) / 20 = 15%. Spread is
     # min-max over seeds; per-turn's AUC minus LOOP's on the same seed: 5 - 52.5 and 15 - 32.5. KL
-    # is twice the clip fraction in these rows; wall time the last row's.
+    # is twice the clip fraction in these rows; the time is the rows' seconds summed, 3 x 20 + 2 x 70.
     rows = capsys.readouterr().out.splitlines()
     assert rows[2:4] == [
         "| per-token (LOOP) | 2 | 15.0 (10-20) | 20.0 (20-20), 1 never | 42.5 (32.5-52.5) | - | 70.0 (50.0-90.0) | "
@@ -1239,6 +1414,9 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
         assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
         assert len(r["per_task"]) == len(tiny_world.TinyWorld.tasks("test"))
     assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
+    shown = (out / "transcripts" / "test_iter0002.txt").read_text()
+    heads = re.findall(r"^=== (\w+): \d of \d checks passed$", shown, flags=re.M)
+    assert heads == ["order00_1", "payback00_1", "phone00_1"]  # spread over the split's scenarios
     # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
     _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]), torch.device("cpu"))
     _, shipped = loop.load_pretrained(loop.parse_config(["--tiny"]))
@@ -1249,8 +1427,8 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
                "--out", str(tmp_path / "ev")])
     again = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])
     assert again["split"] == "test" and again["reward_mean"] == pytest.approx(evals[-1]["reward_mean"])
-    assert again["per_task"] == evals[-1]["per_task"]
-    assert (tmp_path / "ev" / "transcripts" / "test_iter0000.txt").read_text() == (out / "transcripts" / "test_iter0002.txt").read_text()
+    assert again["per_task"] == evals[-1]["per_task"] and again["iteration"] == 2  # trained for 2
+    assert (tmp_path / "ev" / "transcripts" / "test_iter0002.txt").read_text() == shown
 
 
 # Qwen2.5's chat template without its tool-calling branches: a default system prompt when none is
@@ -2408,7 +2586,9 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
         assert torch.allclose(saved["model"][name], p, atol=1e-6), name
     # The 2-rank checkpoint loads in one process: weights and AdamW state within 1e-6.
     _, fresh, _, opt = _model_and_adamw(False)
-    assert loop.load_checkpoint(str(tmp_path), fresh, opt) == 1
+    path, iteration = loop.last_checkpoint(str(tmp_path))
+    loop.load_checkpoint(path, fresh, opt)
+    assert iteration == 1
     from torch.distributed.checkpoint.state_dict import get_state_dict
     weights, adamw = get_state_dict(fresh, opt)
     assert weights.keys() == saved["model"].keys() and adamw["state"].keys() == saved["optim"]["state"].keys()
@@ -2699,7 +2879,9 @@ def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path)
     loop.save_checkpoint(str(tmp_path), model, opt, 2)
     fresh, _ = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))  # the weights before training
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    assert loop.load_checkpoint(str(tmp_path), fresh, fresh_opt) == 2
+    path, iteration = loop.last_checkpoint(str(tmp_path))
+    loop.load_checkpoint(path, fresh, fresh_opt)
+    assert iteration == 2
     for (name, trained), loaded in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(trained, loaded), name
     saved, loaded = opt.state_dict(), fresh_opt.state_dict()
@@ -2889,14 +3071,34 @@ def test_behaviour_counts_looking_first_and_recovering(tiny):
     assert episode(["Let me think."], ["Execution successful."]) == (False, False)  # no code at all
 
 
-def test_behaviour_figure_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):
+def test_plot_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        behaviour.main([str(tmp_path / "nowhere")])
+        plot.main([str(tmp_path / "nowhere")])
     assert stop.value.code == 2 and "give a run directory" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "tgc": 0.5}) + "\n")
     with pytest.raises(SystemExit) as stop:
-        behaviour.main([str(tmp_path)])
+        plot.main([str(tmp_path)])
     assert stop.value.code == 2 and "no training rows" in capsys.readouterr().err
+
+
+def test_plot_draws_the_curves_and_the_behaviour_of_a_run(tmp_path, capsys):
+    """Both figures from a synthetic log; without the behaviour metrics, only curves.png."""
+    pytest.importorskip("matplotlib")
+    train = {"reward_mean": 0.5, "success_rate": 0.4, "kl": 0.01, "clip_fraction": 0.02,
+             "grad_norm": 0.3, "looked_first": 0.5, "error_rate": 0.6, "recovered": 0.1}
+    rows = [{"iteration": 0, "split": "test", "tgc": 0.3, "sgc": 0.2}]
+    rows += [{"iteration": i, **train} for i in range(1, 7)]
+    rows += [{"iteration": 6, "split": "test", "tgc": 0.6, "sgc": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = plot.main([str(tmp_path), "--out-dir", str(tmp_path / "figures")])
+    assert written == [str(tmp_path / "figures" / name) for name in ("curves.png", "behaviour.png")]
+    assert all(os.path.getsize(path) > 0 for path in written)
+    assert capsys.readouterr().out.split() == written  # the paths written, one a line
+    plain = [{k: v for k, v in r.items() if k not in ("looked_first", "error_rate", "recovered")}
+             for r in rows]  # a world that defines no behaviour shares
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain))
+    assert plot.main([str(tmp_path)]) == [str(tmp_path / "curves.png")]
+    assert "no behaviour.png" in capsys.readouterr().out
 
 
 if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
