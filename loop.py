@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from chat import Chat
 from tiny_world import TinyWorld
 
 
@@ -349,98 +350,6 @@ def all_reduce(values, op="sum"):
 def mean(values):
     return sum(values) / len(values) if values else 0.0
 
-class Chat:
-    """Token bookkeeping for the model's own chat template (docs/chat-models.md). An episode is
-    never re-templated: the prompt, the ids actually sampled, each observation as the template
-    renders it; where the template is append-only, that is the rendering, token for token."""
-
-    REPLY, OBSERVATION = "\x00REPLY\x00", "\x00OBSERVATION\x00"
-
-    def __init__(self, tok, eos_ids=()):
-        from jinja2 import TemplateError
-        self.tok = tok
-        if not tok.chat_template:
-            die(f"{tok.name_or_path} has no chat template: give an instruct (chat) model")
-        self.specials = [t.content for t in tok.added_tokens_decoder.values() if t.special]
-        self.fold_system = False
-        try:
-            self.render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
-        except TemplateError:  # Gemma 2: "System role not supported"
-            self.fold_system = True
-            if rank_world()[0] == 0:  # once a run
-                print("note: the chat template rejects a system message: its text starts the "
-                      "first user message", file=sys.stderr)
-        self.eot_text, self.pre, self.post = self.turn_end()
-        # a reasoning template (QwQ, DeepSeek-R1-Distill) may open the reply's <think> itself
-        opened = self.post.rsplit("</think>", 1)[-1]
-        self.reply_start = opened[opened.index("<think>"):] if "<think>" in opened else ""
-        self.eot = tok.convert_tokens_to_ids(self.eot_text)
-        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
-        self.stop_ids = sorted({self.eot, tok.eos_token_id, *eos_ids} - {None})
-
-    def render(self, messages):
-        if self.fold_system and messages[0]["role"] == "system":
-            system, user, *rest = messages
-            user = dict(user, content=system["content"] + "\n\n" + user["content"])
-            messages = [user, *rest]
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def between_turns(self, observation):
-        """The template's text from an assistant reply's end, via `observation`, to a generation."""
-        probe = [{"role": "user", "content": "task"}, {"role": "assistant", "content": self.REPLY},
-                 {"role": "user", "content": observation}]
-        text = self.render(probe)
-        return text[text.index(self.REPLY) + len(self.REPLY):]
-
-    def turn_end(self):
-        """The first special token the template writes after a reply (<|im_end|>, <|eot_id|>,
-        <end_of_turn>, <|end|>, </s>), then the text before and after an observation."""
-        after = self.between_turns(self.OBSERVATION)
-        reply_end = after.split(self.OBSERVATION)[0]
-        found = [(reply_end.find(s), s) for s in self.specials if s in reply_end]
-        if not found:
-            die(f"the chat template of {self.tok.name_or_path} ends an assistant turn with no "
-                "special token, so a turn could never end: give an instruct (chat) model")
-        at, _, eot = min((at, -len(s), s) for at, s in found)  # the longer of two at one place
-        pre, post = after[at + len(eot):].split(self.OBSERVATION)
-        return eot, pre, post
-
-    def encode(self, text, literal=False):
-        """Template text keeps its special tokens; environment text (literal) cannot end a turn."""
-        return self.tok(text, add_special_tokens=False, split_special_tokens=literal)["input_ids"]
-
-    def prompt(self, messages):
-        return self.encode(self.render(messages))
-
-    def observation(self, text):
-        """As the template renders it (`trim` too), tokenized where it stands, after the turn's end:
-        BPE merges the template's text around it (`[INST] `) with its first word."""
-        after = self.between_turns(text)
-        at = after.index(self.eot_text)
-        rendered = after[at + len(self.eot_text) + len(self.pre):len(after) - len(self.post)]
-        if not any(s in rendered for s in self.specials):
-            return self.encode(after[at:])[1:]
-        # text that spells a special token stays plain text, so that it cannot end a turn
-        head = self.encode(self.eot_text + self.pre)[1:]
-        return head + self.encode(rendered, literal=True) + self.encode(self.post)
-
-    def truncate(self, text, max_tokens):
-        # Tokenized a piece at a time up to the cut: BPE on a run without spaces is quadratic
-        ids = []
-        for start in range(0, len(text), 1000):
-            ids += self.encode(text[start:start + 1000], literal=True)
-            if len(ids) > max_tokens:
-                break
-        if len(ids) <= max_tokens:
-            return text
-        head = self.tok.decode(ids[:max_tokens])
-        cut = max(head.rfind("\n"), head.rfind(" "))  # at a line or word boundary
-        if cut > 0:
-            head = head[:cut]
-        note = f"{len(text)} characters, showing the first {max_tokens} tokens"
-        return head + f"\n[output truncated: {note}]"
-
-
 # 3. Environments: AppWorld here, the tiny world in tiny_world.py, whose docstring is the interface
 #    a new environment implements (copy that file to start one)
 
@@ -595,10 +504,10 @@ ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 class Episode:
     task_id: str
     env: typing.Any
-    ids: list
-    is_output: list
-    turn: list  # turn index of each sampled token, -1 for context tokens
-    transcript: list
+    ids: list = dataclasses.field(default_factory=list)
+    is_output: list = dataclasses.field(default_factory=list)
+    turn: list = dataclasses.field(default_factory=list)  # of each sampled token; -1: context
+    transcript: list = dataclasses.field(default_factory=list)
     done: bool = False
     reward: float = 0.0
     success: bool = False
@@ -612,14 +521,7 @@ class Episode:
         self.is_output += [output] * len(ids)
         self.turn += [turn] * len(ids)
 
-def new_episode(env, task_id, chat, messages=None):
-    messages = messages or env.messages()
-    done = getattr(env, "done", False)  # a world that failed to start: no turn
-    e = Episode(task_id, env, [], [], [], list(messages), done=done)
-    e.add(chat.prompt(messages))
-    return e
-
-class Carry:
+class WaveCache:
     """A wave's KV cache, carried across its turns: row i (its i-th live episode) holds the first
     fed[i] ids of the episode, in the columns `mask` marks (0: padding, tokens after a stop)."""
 
@@ -629,7 +531,7 @@ class Carry:
         self.mask = None
         self.fed = []
 
-    def keep(self, rows, lengths):
+    def lay_out(self, rows, lengths):
         """Lay the cache out anew for the next turn of the episodes in `rows` (now `lengths` ids
         long), so that no padding lies between an episode's tokens: a sliding window (Gemma,
         Phi-3, Mistral) counts columns, not tokens. Each row keeps its first tokens, padded in
@@ -652,20 +554,20 @@ class Carry:
             layer.values = layer.values[index[:, None], :, columns].transpose(1, 2)
 
 @torch.no_grad()
-def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
+def generate(model, chat, prompts, temperature, max_new_tokens, cache=None):
     """Sample one turn for a batch of episodes: each one's ids, cut after the first stop token.
-    With a carry only what its cache lacks is fed (last token, observation); else all of it."""
+    With a wave's cache only what it lacks is fed (last token, observation); else all of it."""
     from transformers import GenerationConfig
     pad, device = chat.tok.pad_token_id, next(model.parameters()).device
-    fed = carry.fed if carry and carry.mask is not None else [0] * len(prompts)
+    fed = cache.fed if cache and cache.mask is not None else [0] * len(prompts)
     new = [p[n:] for p, n in zip(prompts, fed)]
     width = max(map(len, new))
     # padding in front of each row's new ids, so that all rows end at the last column
     ids = torch.tensor([[pad] * (width - len(x)) + x for x in new], device=device)
     attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in new], device=device)
-    if carry and carry.mask is not None:  # generate feeds only the columns past the cached ones
-        attn = torch.cat([carry.mask, attn], 1)
-        ids = torch.cat([torch.full_like(carry.mask, pad), ids], 1)
+    if cache and cache.mask is not None:  # generate feeds only the columns past the cached ones
+        attn = torch.cat([cache.mask, attn], 1)
+        ids = torch.cat([torch.full_like(cache.mask, pad), ids], 1)
     sampling = {}  # greedy at T = 0, else the plain softmax at T: what the update scores
     if temperature > 0:
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -673,89 +575,89 @@ def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
                               eos_token_id=chat.stop_ids, pad_token_id=pad)
     # synced: under FSDP a rank that is done keeps joining the others' forward passes
     out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                         cache=carry.kv if carry else None, synced_gpus=dist.is_initialized())
-    rows = [cut_after_stop(row, chat.stop_ids) for row in out[:, ids.shape[1]:].tolist()]
-    if carry:  # the cache holds every column but the last one sampled (and strays keep() drops)
+                         cache=cache.kv if cache else None, synced_gpus=dist.is_initialized())
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        stops = [i for i, t in enumerate(row) if t in chat.stop_ids]
+        rows.append(row[:stops[0] + 1] if stops else row)
+    if cache:  # it holds every column but the last one sampled (and strays lay_out() drops)
         n = out.shape[1] - ids.shape[1]
         sampled = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows], device=device)
-        carry.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
-        carry.fed = [len(p) + min(len(r), n - 1) for p, r in zip(prompts, rows)]
+        cache.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
+        cache.fed = [len(p) + min(len(r), n - 1) for p, r in zip(prompts, rows)]
     return rows
 
-def cut_after_stop(ids, stop_ids):
-    for i, t in enumerate(ids):
-        if t in stop_ids:
-            return ids[:i + 1]
-    return ids
+def start_wave(pairs, chat, cfg):
+    """A wave's worlds start together (their messages()); an episode opens with the prompt."""
+    wave = []
+    for (env, task_id), messages in zip(pairs, concurrently([env.messages for env, _ in pairs])):
+        e = Episode(task_id, env, transcript=list(messages), done=getattr(env, "done", False))
+        e.add(chat.prompt(messages))
+        e.done = e.done or len(e.ids) >= cfg.max_context  # a world that failed, a prompt too long
+        wave.append(e)
+    return wave
 
-def turns(envs, task_ids, chat, cfg, carry_cache, episodes):
-    """The turns, one at a time: (live episodes, turn, their wave's carry). A wave of batch_episodes
-    plays to its end before the next; its worlds start together and are scored together at its
-    end, so one wave's KV cache and worlds exist at a time. Episodes join `episodes`."""
-    for start in range(0, len(envs), cfg.batch_episodes):
-        pairs = list(zip(envs, task_ids))[start:start + cfg.batch_episodes]
-        started = together([env.messages for env, _ in pairs])
-        wave = [new_episode(env, task, chat, m) for (env, task), m in zip(pairs, started)]
-        episodes += wave
-        carry = Carry() if carry_cache else None
-        rows = wave
-        for turn in itertools.count():
-            for e in wave:
-                e.done = e.done or len(e.ids) >= cfg.max_context
-            live = [e for e in wave if not e.done]
-            if not live:
-                break
-            if carry:
-                kept = [i for i, e in enumerate(rows) if not e.done]
-                carry.keep(kept, [len(e.ids) for e in live])
-            rows = live
-            yield live, turn, carry
-        for e, result in zip(wave, together([e.env.evaluate for e in wave])):
-            e.failed = result is None  # the world broke: no reward, not even 0
-            passed, total = e.checks = result or (0, 1)
-            e.reward = passed / total
-            e.success = passed == total
+def score_wave(wave):
+    """A finished wave's worlds are evaluated together: reward = tests passed / tests."""
+    for e, result in zip(wave, concurrently([e.env.evaluate for e in wave])):
+        e.failed = result is None  # the world broke: no reward, not even 0
+        passed, total = e.checks = result or (0, 1)
+        e.reward = passed / total
+        e.success = passed == total
 
 def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout",
             carry_cache=True):
-    """Each turn, one batched generation for a wave's live episodes, then their code runs in their
-    worlds. carry_cache=False re-prefills every turn (a reference for tests and tools/)."""
+    """The POMDP (§4.1), a wave of batch_episodes at a time, so that one wave's KV cache and
+    worlds exist at a time. Each turn, one batched generation for the wave's live episodes, then
+    their code runs in their worlds; a wave that ended is scored and the next begins. Every rank
+    runs as many generations as the busiest one (FSDP's collectives match), with a dummy if it
+    has no episode left. carry_cache=False re-prefills every turn (a reference for tests)."""
+    from torch.distributed.fsdp import FSDPModule
     model.eval()
-    episodes = []
-    steps = turns(envs, task_ids, chat, cfg, carry_cache, episodes)
+    pairs = list(zip(envs, task_ids))
+    waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
+    episodes, wave, rows, cache, turn = [], [], [], None, 0
     bar = tqdm(desc=desc, leave=False, disable=True if rank_world()[0] else None)
-    layers = sharded_layers(model) if cfg.rollout_full_weights else []
-    for layer in layers:  # gathered by its first forward, kept until the rollout ends
+    # the FSDP modules but the root (kept gathered after its forward anyway): gathered by their
+    # first forward, kept until the rollout ends
+    layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
+    for layer in layers if cfg.rollout_full_weights else []:
         layer.set_reshard_after_forward(False, recurse=False)
     try:
         while True:
-            live, turn, carry = next(steps, ([], 0, None))
-            # Every rank runs as many generations as the busiest one (FSDP's collectives match)
+            while waves and all(e.done for e in wave):  # the wave ended: score it, start the next
+                score_wave(wave)
+                wave = rows = start_wave(waves.pop(0), chat, cfg)
+                episodes += wave
+                cache, turn = (WaveCache() if carry_cache else None), 0
+            live = [e for e in wave if not e.done]
             if not all_reduce([len(live)], "max")[0]:
                 break
+            if live and cache:
+                kept = [i for i, e in enumerate(rows) if not e.done]
+                cache.lay_out(kept, [len(e.ids) for e in live])
+            rows = live
             room = max((cfg.max_context - len(e.ids) for e in live), default=1)
             prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
             new_tokens = min(cfg.max_new_tokens, room)
-            outputs = generate(model, chat, prompts, temperature, new_tokens, carry)
+            outputs = generate(model, chat, prompts, temperature, new_tokens,
+                               cache if live else None)
             codes = [act(e, new, turn, chat, cfg) for e, new in zip(live, outputs)]
-            results = together([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
+            results = concurrently([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
             for e, output in zip(live, results):
                 observe(e, output, turn == max_turns - 1, chat, cfg)
+            turn += 1
             bar.update()
+        score_wave(wave)
     except BaseException:  # Ctrl-C, CUDA out of memory: no world outlives the rollout
         for env in envs:
             getattr(env, "close", lambda: None)()
         raise
     bar.close()
-    for layer in layers:  # sharded again for the update (reshard() is not recursive)
-        layer.reshard()
+    for layer in layers if cfg.rollout_full_weights else []:  # sharded for the update (reshard()
+        layer.reshard()  # is not recursive)
         layer.set_reshard_after_forward(True, recurse=False)
     return episodes
-
-def sharded_layers(model):
-    """The FSDP modules but the root, which FSDP keeps gathered after its forward anyway."""
-    from torch.distributed.fsdp import FSDPModule
-    return [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
 
 def act(e, new, turn, chat, cfg):
     """The sampled turn joins the episode as actions; returns the code in it."""
@@ -769,7 +671,7 @@ def act(e, new, turn, chat, cfg):
     e.looked_first = e.looked_first or (turn == 0 and docs is not None and docs in code)
     return code
 
-def together(calls):
+def concurrently(calls):
     """The calls run at once, each with its own deadline (AppWorld's worlds are processes), so a
     slow, endless or hung world holds up no other: k that hang cost one deadline, not k. Their
     threads are daemons: an interrupt reaches the caller at once, waiting for none of them."""
@@ -855,7 +757,7 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
 
 
 # 7. The training step
-EMPTY = Episode("", None, [0, 0], [False, False], [-1, -1], [])  # no output tokens: zero loss
+NO_OUTPUT = Episode("", None, [0, 0], [False, False], [-1, -1])  # an empty pass: zero loss
 
 def pad_batch(episodes, device):
     """ids, attention mask, is_output and turn of the episodes, right-padded to one width."""
@@ -898,7 +800,7 @@ def old_logprobs(model, episodes, keep, counts, cfg):
     device = next(model.parameters()).device
     old = {}
     for chunk in micro_batches(keep, counts, cfg.micro_batch_size):
-        ids, attn, _, _ = pad_batch([episodes[i] for i in chunk] or [EMPTY], device)
+        ids, attn, _, _ = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT], device)
         for i, logp in zip(chunk, token_logprobs(model, ids, attn, cfg.temperature)):
             old[i] = logp[:len(episodes[i].ids) - 1]
     return old
@@ -910,7 +812,7 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
     device = next(model.parameters()).device
     totals = [0.0, 0.0, 0, 0]
     for chunk in chunks:
-        ids, attn, is_output, turn = pad_batch([episodes[i] for i in chunk] or [EMPTY], device)
+        ids, attn, is_output, turn = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT], device)
         logp = token_logprobs(model, ids, attn, cfg.temperature)
         if chunk:
             old_logp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True)
@@ -1287,7 +1189,12 @@ def run(cfg, run_dir):
     except ValueError as e:
         die(str(e))
     model, tok = load_model_and_tokenizer(cfg, device)
-    chat = Chat(tok, model.generation_config.eos_token_id)
+    try:
+        chat = Chat(tok, model.generation_config.eos_token_id)
+    except ValueError as e:  # no template, or one whose turns never end
+        die(str(e))
+    if chat.fold_system:  # Gemma 2: "System role not supported"
+        say("note: the chat template rejects a system message: its text starts the first user one")
     if device.type == "cuda":  # the most episodes a rank plays in one rollout, in waves
         world = rank_world()[1]
         n_train = math.ceil(min(cfg.tasks_per_iteration, len(train_tasks)) / world)

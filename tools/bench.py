@@ -210,7 +210,7 @@ class BusyWorld:
 
 
 def env_parallel_speedup():
-    """4 episodes' steps of 1 s of CPU each: one after another / together (loop.together)."""
+    """4 episodes' steps of 1 s of CPU each: one after another / together (loop.concurrently)."""
     pool = multiprocessing.get_context("spawn").Pool(4)
     worlds = [BusyWorld(pool) for _ in range(4)]
     pool.map(busy, [0.1] * 4)  # the processes are up before anything is timed
@@ -221,7 +221,7 @@ def env_parallel_speedup():
             world.step("")
         one_by_one = time.perf_counter() - start
         start = time.perf_counter()
-        loop.together([functools.partial(world.step, "") for world in worlds])
+        loop.concurrently([functools.partial(world.step, "") for world in worlds])
         ratios.append(one_by_one / (time.perf_counter() - start))
     pool.close()
     pool.join()

@@ -181,7 +181,7 @@ def demo_episode(rng, chat, cfg):
     """A careless agent's demonstration, played through the tiny world as if sampled."""
     env, codes = demo(rng)
     env.timeout = cfg.code_timeout
-    e = loop.new_episode(env, env.task_id, chat)
+    e = loop.start_wave([(env, env.task_id)], chat, cfg)[0]
     for i, code in enumerate(codes):
         loop.act(e, chat.encode(fence(code)) + [chat.eot], i, chat, cfg)
         loop.observe(e, env.step(code), i == len(codes) - 1, chat, cfg)
