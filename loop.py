@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
-import itertools
 import json
 import math
 import multiprocessing
@@ -277,6 +276,17 @@ def load_model_and_tokenizer(cfg, device):
         shard(model, cfg, layer_names, device)
     model = model.to(device)
     return (model if cfg.lora else model.float()), tok
+
+def chat_of(model, tok):
+    """The model's Chat, stopping on its generation_config's eos ids too; a template that cannot
+    serve stops the run with one line that says why."""
+    try:
+        chat = Chat(tok, model.generation_config.eos_token_id)
+    except ValueError as e:  # no template, or one whose turns never end
+        die(str(e))
+    if chat.fold_system:  # Gemma 2: "System role not supported"
+        say("note: the chat template rejects a system message: its text starts the first user one")
+    return chat
 
 def shard(model, cfg, layer_names, device):
     """FSDP2: each rank keeps 1/G of every tensor; a decoder layer is gathered only to compute.
@@ -618,10 +628,10 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
     episodes, wave, rows, cache, turn = [], [], [], None, 0
     bar = tqdm(desc=desc, leave=False, disable=True if rank_world()[0] else None)
-    # the FSDP modules but the root (kept gathered after its forward anyway): gathered by their
-    # first forward, kept until the rollout ends
-    layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
-    for layer in layers if cfg.rollout_full_weights else []:
+    layers = []  # the FSDP modules but the root, which FSDP keeps gathered after its forward
+    if cfg.rollout_full_weights:
+        layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
+    for layer in layers:  # gathered by its first forward, kept until the rollout ends
         layer.set_reshard_after_forward(False, recurse=False)
     try:
         while True:
@@ -654,8 +664,8 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
             getattr(env, "close", lambda: None)()
         raise
     bar.close()
-    for layer in layers if cfg.rollout_full_weights else []:  # sharded for the update (reshard()
-        layer.reshard()  # is not recursive)
+    for layer in layers:  # sharded again for the update (reshard() is not recursive)
+        layer.reshard()
         layer.set_reshard_after_forward(True, recurse=False)
     return episodes
 
@@ -1189,12 +1199,7 @@ def run(cfg, run_dir):
     except ValueError as e:
         die(str(e))
     model, tok = load_model_and_tokenizer(cfg, device)
-    try:
-        chat = Chat(tok, model.generation_config.eos_token_id)
-    except ValueError as e:  # no template, or one whose turns never end
-        die(str(e))
-    if chat.fold_system:  # Gemma 2: "System role not supported"
-        say("note: the chat template rejects a system message: its text starts the first user one")
+    chat = chat_of(model, tok)
     if device.type == "cuda":  # the most episodes a rank plays in one rollout, in waves
         world = rank_world()[1]
         n_train = math.ceil(min(cfg.tasks_per_iteration, len(train_tasks)) / world)

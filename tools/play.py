@@ -33,7 +33,7 @@ def main(argv):
         loop.die(f"no task {unknown[0]!r} in the {cfg.split} or {cfg.train_split} split")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = loop.load_model_and_tokenizer(cfg, device)
-    chat = loop.Chat(tok, model.generation_config.eos_token_id)
+    chat = loop.chat_of(model, tok)
     envs = [env(task, cfg.code_timeout, "loop-play") for task in args.task]
     with torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16):
         episodes = loop.rollout(model, chat, envs, args.task, cfg, cfg.eval_temperature,
