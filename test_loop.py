@@ -2622,6 +2622,7 @@ def _rss_mb(field="VmRSS"):
 def _one_read_worker(out, folder, *flags):
     """Both ranks load the model under --fsdp: rank 1's host memory growth (peak resident set) and
     buffers, and then the whole model gathered from the shards."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     loop.start_distributed()
     rank = loop.rank_world()[0]
@@ -2635,6 +2636,8 @@ def _one_read_worker(out, folder, *flags):
     if rank == 1:
         torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth,
                     "parameters": len(list(model.parameters()))}, out)  # tied ones count once
+    dist.barrier()  # as the other workers end: a rank that exits with gloo up may abort (SIGABRT)
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("flags", [[], ["--lora", "--bf16"]])
