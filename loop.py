@@ -4,7 +4,8 @@ The agent writes Python that calls app APIs over many turns; the whole episode i
 sequence in which only the tokens the policy sampled are actions (the POMDP of paper §4.1).
 Each iteration samples N tasks x K rollouts, scores them, turns returns into leave-one-out
 advantages (Eq. 3) and takes PPO steps on a per-token clipped objective (Eq. 5): no critic,
-no reference model, one copy of the LLM.
+no reference model, one copy of the LLM. Sections 4-7 (ALGO LOGIC) are the algorithm: read them
+first. The others are infrastructure (settings, model, worlds, checkpoints): no need to modify.
 
     python loop.py --tiny                      # a tiny model in a tiny world, minutes on a CPU
     python loop.py --eval --split test --tiny  # TGC/SGC only
@@ -17,6 +18,7 @@ import json
 import math
 import multiprocessing
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -37,23 +39,45 @@ from chat import Chat
 from tiny_world import TinyWorld
 
 
-# 1. Settings
+# 1. Settings (infrastructure)
 def setting(default, doc):
     """A field with its one-line help kept at run time (--help needs no source file)."""
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 @dataclass
 class Config:
+    # the run
     env: str = setting("appworld", "appworld, or tiny: an offline miniature of AppWorld.")
     model: str = setting("Qwen/Qwen2.5-32B-Instruct", "Hugging Face model id or local directory.")
     seed: int = setting(0, "Seed for Python, torch and task sampling.")
     out: str = setting("", "Run directory of metrics, transcripts, weights (default runs/<time>).")
+    resume: str = setting("", "Run directory to continue from its last complete checkpoint.")
     iterations: int = setting(200,
         "Training iterations (reference code: 200); 0 = evaluate and save the model only.")
-    tasks_per_iteration: int = setting(40, "N: tasks sampled per iteration (paper: 40).")
-    rollouts_per_task: int = setting(6, "K: rollouts per task, the leave-one-out group (paper: 6).")
     train_split: str = setting("train", "Split the training tasks come from.")
     split: str = setting("test", "Split that evaluation reports TGC/SGC on.")
+    eval: bool = setting(False, "Only evaluate `split`, no training.")
+    eval_every: int = setting(10,
+        "Evaluate every this many iterations (and before the first and after the last).")
+    track: str = setting("", "Also log metrics to tensorboard, wandb, or both (tensorboard,wandb).")
+    # the paper's hyper-parameters
+    tasks_per_iteration: int = setting(40, "N: tasks sampled per iteration (paper: 40).")
+    rollouts_per_task: int = setting(6, "K: rollouts per task, the leave-one-out group (paper: 6).")
+    lr: float = setting(5e-5, "AdamW learning rate, constant (paper: 5e-5).")
+    weight_decay: float = setting(0.01, "AdamW weight decay (reference code: 0.01).")
+    grad_clip: float = setting(1.0, "Gradient-norm clip (paper: 1.0; reference code: 0.1).")
+    epochs: int = setting(2, "Passes over an iteration's rollouts (paper: 2).")
+    minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32).")
+    clip_eps: float = setting(0.1,
+        "Ratio clipped to [1/(1+eps), 1+eps] as in the reference code (paper: [1-eps, 1+eps]).")
+    ratio: str = setting("token",
+        "Importance ratio: token (LOOP, Eq. 5), turn, trajectory, or none (on-policy RLOO).")
+    normalize_rewards: bool = setting(False,
+        "Divide advantages by the group's reward std (the paper's RwNorm variant; off in LOOP).")
+    min_abs_advantage: float = setting(0.01, "Rollouts with |A| below this are dropped: no signal.")
+    max_kl: float = setting(20.0,
+        "Abandon the rest of an iteration when |KL estimate| of a minibatch exceeds this.")
+    # rollouts
     max_turns: int = setting(40, "Turns per training episode (paper: 40).")
     eval_max_turns: int = setting(50, "Turns per evaluation episode (paper: 50).")
     max_new_tokens: int = setting(1500, "Tokens the policy may sample per turn (paper: 1500).")
@@ -64,26 +88,10 @@ class Config:
     temperature: float = setting(1.0,
         "Sampling temperature for training rollouts; log-probs are scored at the same one.")
     eval_temperature: float = setting(0.0, "Sampling temperature for evaluation (0 = greedy).")
-    lr: float = setting(5e-5, "AdamW learning rate, constant (paper: 5e-5).")
-    weight_decay: float = setting(0.01, "AdamW weight decay (reference code: 0.01).")
-    grad_clip: float = setting(1.0, "Gradient-norm clip (paper: 1.0; reference code: 0.1).")
-    epochs: int = setting(2, "Passes over an iteration's rollouts (paper: 2).")
-    minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32).")
-    micro_batch_size: int = setting(4, "Rollouts per forward/backward pass; gradients accumulate.")
-    clip_eps: float = setting(0.1,
-        "Ratio clipped to [1/(1+eps), 1+eps] as in the reference code (paper: [1-eps, 1+eps]).")
-    ratio: str = setting("token",
-        "Importance ratio: token (LOOP, Eq. 5), turn, trajectory, or none (on-policy RLOO).")
-    normalize_rewards: bool = setting(False,
-        "Divide advantages by the group's reward std (the paper's RwNorm variant; off in LOOP).")
-    min_abs_advantage: float = setting(0.01, "Rollouts with |A| below this are dropped: no signal.")
-    max_kl: float = setting(20.0,
-        "Abandon the rest of an iteration when |KL estimate| of a minibatch exceeds this.")
-    eval_every: int = setting(10,
-        "Evaluate every this many iterations (and before the first and after the last).")
-    eval: bool = setting(False, "Only evaluate `split`, no training.")
     batch_episodes: int = setting(6,
         "Episodes played together per rank: their worlds, KV cache (32B: 8.6 GB each at 32k).")
+    # systems: memory and GPUs
+    micro_batch_size: int = setting(4, "Rollouts per forward/backward pass; gradients accumulate.")
     logprob_chunk: int = setting(512, "Positions per chunk of the update's vocabulary projection.")
     fsdp: bool = setting(False, "Shard weights, gradients and AdamW state (FSDP2, torchrun).")
     rollout_full_weights: bool = setting(False,
@@ -93,8 +101,6 @@ class Config:
     activation_checkpointing: bool = setting(False, "Recompute each decoder layer in backward.")
     lora: bool = setting(False,
         "Train the paper's LoRA adapter (rank 16, alpha 32, all projections), not all weights.")
-    resume: str = setting("", "Run directory to continue from its last complete checkpoint.")
-    track: str = setting("", "Also log metrics to tensorboard, wandb, or both (tensorboard,wandb).")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(HERE, "tiny_config.json")
@@ -104,8 +110,6 @@ AT_LEAST = {"iterations": 0, "rollouts_per_task": 2, "weight_decay": 0, "min_abs
 RATIOS = ("token", "turn", "trajectory", "none")
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb<0.19"}
 """--track's loggers, each with what to install (wandb 0.19 on needs pydantic 2, appworld 1)."""
-FIXED = ("model", "lora")
-"""The settings a checkpoint's tensors depend on: a resumed run keeps its own."""
 
 def die(message):
     """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
@@ -134,7 +138,7 @@ def parse_config(argv):
             "not --tiny or --config")
     if args.resume:
         values = read_config_file(os.path.join(args.resume, "config.json"), hints)
-        for key in FIXED:  # before anything is written: the run stays resumable as it was
+        for key in ("model", "lora"):  # a checkpoint's tensors depend on them: refused up front
             if getattr(args, key) not in (None, values[key]):
                 die(f"--{key} cannot change when resuming: {args.resume}'s checkpoint holds "
                     f"the weights of {key} = {values[key]!r}; start a new run for another")
@@ -148,10 +152,10 @@ def parse_config(argv):
     return cfg
 
 def read_config_file(path, hints):
-    """A JSON object of settings; an unreadable file, an unknown key or a wrong type stops here."""
+    """A JSON object of settings; an unreadable file, an unknown key or a wrong type stops here.
+    A model path is taken relative to the file (tiny_config.json's assets/tiny-model)."""
     try:
-        with open(path) as fh:
-            values = json.load(fh)
+        values = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         die(f"cannot read config {path}: {e}")
     if not isinstance(values, dict):
@@ -164,7 +168,6 @@ def read_config_file(path, hints):
         allowed = (int, float) if kind is float else kind
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, allowed):
             die(f"{key!r} in {path} must be {kind.__name__}, got {value!r}")
-    # a model folder beside the file (tiny_config.json's assets/tiny-model), from any directory
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), values.get("model", ""))
     if "model" in values and os.path.isdir(beside):
         values["model"] = os.path.normpath(beside)
@@ -176,9 +179,9 @@ def check_config(cfg):
         die(f"--env must be one of {', '.join(ENVS)}, got {cfg.env!r}")
     if cfg.ratio not in RATIOS:
         die(f"--ratio must be one of {', '.join(RATIOS)}, got {cfg.ratio!r}")
-    if not set(cfg.track.split(",")) <= {"", *TRACKERS}:
-        die(f"--track takes {' or '.join(TRACKERS)} or both, comma-separated, got {cfg.track!r}")
     for name in filter(None, cfg.track.split(",")):  # now, not when the first row is logged
+        if name not in TRACKERS:
+            die(f"--track takes {' or '.join(TRACKERS)} or both (comma-separated), not {name!r}")
         if importlib.util.find_spec(name) is None:
             die(f"--track {name} needs its package: pip install '{TRACKERS[name]}'")
     for f in dataclasses.fields(Config):
@@ -192,66 +195,75 @@ def check_config(cfg):
             die(f"{flag} must be {'>= 1' if f.type is int else '> 0'}, got {value}")
 
 
-# 2. Model and tokenizer
+# 2. The model: FSDP2 shards, bf16, LoRA, activation checkpointing, a chunked log-prob head
+#    (infrastructure)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by start_distributed
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
+
+def start_distributed():
+    global RANK, WORLD
+    if "RANK" not in os.environ:
+        die("--fsdp runs under torchrun: torchrun --nproc_per_node G loop.py --fsdp ...")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+
+def all_reduce(values, op=dist.ReduceOp.SUM):
+    """Sum (or max) a list of numbers over the ranks; unchanged in one process."""
+    if WORLD == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(t, op)
+    return t.tolist()
 
 def load_pretrained(cfg):
-    """A local directory (a run's model/ too) or a Hugging Face id: from the cache, else the hub."""
+    """A local directory (a run's model/ too) or a Hugging Face id, from the cache, else the hub.
+    A model that cannot load stops the run with one line that says why."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.errors import RepositoryNotFoundError
     path = os.path.expanduser(cfg.model)
     if os.path.exists(os.path.join(path, "metrics.jsonl")):  # `--model runs/x`
         die(f"{cfg.model} is a run directory: its trained model is {os.path.join(path, 'model')}")
-    if not os.path.isdir(path):
-        try:  # its folder in the cache: loading it by id would still ask the hub about adapters
-            return from_pretrained(snapshot_download(cfg.model, local_files_only=True), cfg)
-        except (OSError, ValueError):  # not in the cache, or only part of it: download it
-            die_unless_on_the_hub(cfg.model)
     try:
+        if not os.path.isdir(path):  # by id, from_pretrained would ask the hub about every file
+            try:
+                path = snapshot_download(cfg.model, local_files_only=True)
+            except LocalEntryNotFoundError:  # not in the cache: download it
+                path = snapshot_download(cfg.model)
         return from_pretrained(path, cfg)
+    except HFValidationError:  # not of the form name or owner/name
+        die(f"there is no directory {cfg.model}: give a model directory or a Hugging Face id")
+    except RepositoryNotFoundError:
+        die(f"model {cfg.model} does not exist: it is no directory here and no model on the "
+            "Hugging Face hub (a private one needs `hf auth login`)")
+    except LocalEntryNotFoundError as e:  # offline, no DNS, a proxy, a timeout: its text says
+        die(f"model {cfg.model} is no directory here and not in the local Hugging Face cache, and "
+            f"the hub cannot be reached ({str(e).strip().partition(chr(10))[0]}): download it "
+            f"where there is internet (`hf download {cfg.model}`), or give its directory")
     except (OSError, ValueError) as e:  # a directory with no model, a gated or broken download
-        die(f"cannot load model {cfg.model}: {first_line(e)}")
+        die(f"cannot load model {cfg.model}: {str(e).strip().partition(chr(10))[0] or repr(e)}")
 
 def from_pretrained(path, cfg):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers import PreTrainedTokenizerFast
-    # A saved tiny tokenizer must load as itself: AutoTokenizer would give it Qwen2's pre-tokenizer
-    tokenizer_class = AutoTokenizer
-    saved = os.path.join(path, "tokenizer_config.json")
-    if os.path.exists(saved):
-        with open(saved) as fh:
-            if json.load(fh).get("tokenizer_class") == "TokenizersBackend":
-                tokenizer_class = PreTrainedTokenizerFast
-    # bf16 on the host halves its memory per rank; full fine-tuning upcasts after sharding
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    tok = tokenizer_class.from_pretrained(path, padding_side="left")
-    if cfg.fsdp and rank_world()[0] > 0:  # rank 0 alone reads the weights, then sends the shards
+    # AutoTokenizer gives a qwen2 (or phi3) model that family's pre-tokenizer, whatever its
+    # tokenizer.json says: one saved as TokenizersBackend (the tiny model's) loads as itself
+    saved = pathlib.Path(path, "tokenizer_config.json")
+    exact = saved.exists() and json.loads(saved.read_text()).get("tokenizer_class")
+    tokenizer = PreTrainedTokenizerFast if exact == "TokenizersBackend" else AutoTokenizer
+    tok = tokenizer.from_pretrained(path, padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # on the host: half the memory per rank
+    if cfg.fsdp and RANK > 0:  # rank 0 alone reads the weights, then sends the shards
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    tok.pad_token = tok.pad_token or tok.eos_token
-    return model, tok
+        return model, tok
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tok
 
-def die_unless_on_the_hub(model):
-    """Why a model not in the local cache cannot be loaded: the hub is asked once (no retries)."""
-    from huggingface_hub import model_info
-    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
-    try:
-        model_info(model, timeout=10)
-    except HFValidationError:  # not of the form name or owner/name
-        die(f"there is no directory {model}: give a model directory or a Hugging Face id")
-    except RepositoryNotFoundError:
-        die(f"model {model} does not exist: it is no directory here and no model on the Hugging "
-            "Face hub (a private one needs `hf auth login`)")
-    except Exception as e:  # noqa: BLE001 - offline, no DNS, a proxy, a timeout: the reason says
-        die(f"model {model} is no directory here and not in the local Hugging Face cache, and "
-            f"the hub cannot be reached ({first_line(e)}): download it where there is internet "
-            f"(`hf download {model}`), or give its directory")
-
-def first_line(error):
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-def load_model_and_tokenizer(cfg, device):
+def load_model_and_tokenizer(cfg):
     from transformers import GenerationConfig
     torch.manual_seed(cfg.seed)  # every rank and process initialises the same LoRA adapter
     model, tok = load_pretrained(cfg)
@@ -273,8 +285,8 @@ def load_model_and_tokenizer(cfg, device):
         base = os.path.abspath(path) if os.path.isdir(path) else cfg.model
         model.peft_config["default"].base_model_name_or_path = base
     if cfg.fsdp:
-        shard(model, cfg, layer_names, device)
-    model = model.to(device)
+        shard(model, cfg, layer_names)
+    model = model.to(DEVICE)
     return (model if cfg.lora else model.float()), tok
 
 def chat_of(model, tok):
@@ -288,14 +300,13 @@ def chat_of(model, tok):
         say("note: the chat template rejects a system message: its text starts the first user one")
     return chat
 
-def shard(model, cfg, layer_names, device):
+def shard(model, cfg, layer_names):
     """FSDP2: each rank keeps 1/G of every tensor; a decoder layer is gathered only to compute.
     Rank 0 holds the weights read from disk and sends each rank its shards (the others' models
     are on the meta device), so the host holds the whole model once, not once per rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    rank = rank_world()[0]
-    weights = model.state_dict() if rank == 0 else {}
+    weights = model.state_dict() if RANK == 0 else {}
     policy = MixedPrecisionPolicy()
     if cfg.bf16:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -306,12 +317,10 @@ def shard(model, cfg, layer_names, device):
     fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
     # a meta rank's shards get memory in place: FSDP keeps tied weights (Qwen2.5-0.5B's embedding
     # and head) one tensor, where loading into meta ones would untie them
-    if rank > 0:
-        model.to_empty(device=device)
-    else:
-        model.to(device)
+    if RANK > 0:
+        model.to_empty(device=DEVICE)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, weights, options=options)
+    set_model_state_dict(model.to(DEVICE), weights, options=options)
     for buffer in model.buffers():  # buffers in no state dict (RoPE's inv_freq): rank 0's
         dist.broadcast(buffer, src=0)
 
@@ -345,24 +354,16 @@ def logprob_piece(hidden, weight, bias, targets, temperature, softcap):
     logits.div_(temperature)  # in place: one [chunk x vocab] tensor less
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
-def rank_world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-def all_reduce(values, op="sum"):
-    """Sum (or max) a list of numbers over the ranks; unchanged in one process."""
-    if not dist.is_initialized():
-        return list(values)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return t.tolist()
+def say(text):
+    if RANK == 0:
+        tqdm.write(text, file=sys.stderr)
 
 def mean(values):
     return sum(values) / len(values) if values else 0.0
 
-# 3. Environments: AppWorld here, the tiny world in tiny_world.py, whose docstring is the interface
-#    a new environment implements (copy that file to start one)
 
+# 3. Environments (infrastructure): AppWorld here; tiny_world.py is the tiny one, whose docstring
+#    is the interface a new environment implements (copy that file to start one)
 def extract_code(text):
     """All ```python / ```py blocks joined; an unterminated last block counts; no block -> "".
     A reasoning model's drafts do not run: only the text after its reasoning block counts."""
@@ -370,8 +371,6 @@ def extract_code(text):
     text = text.split("<think>", 1)[0]  # reasoning cut off by the token limit: no answer yet
     blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
     return "\n".join(b.rstrip() for b in blocks)
-
-APPWORLD_PROMPT = os.path.join(HERE, "assets", "appworld_prompt.txt")  # ours, ReAct-style
 
 def appworld_worker(conn):
     """A process serving one AppWorld world at a time (one per process allowed), task after task."""
@@ -402,10 +401,11 @@ class AppWorldEnv:
     the next wave: a rank runs one wave's workers. A world that dies or hangs fails its episode
     (an infrastructure failure, not a reward) and training goes on."""
 
+    PROMPT = pathlib.Path(HERE, "assets", "appworld_prompt.txt").read_text().strip()  # ReAct-style
+    DOCS_CALL, ERROR_PREFIX = "apis.api_docs.", "Execution failed"  # for the behaviour shares
+    START_TIMEOUT = 300  # seconds a world may take to start (the first one in a worker: ~4)
     idle = []
     idle_lock = threading.Lock()  # a wave's worlds take and give back workers from its threads
-    START_TIMEOUT = 300  # seconds a world may take to start (the first one in a worker: ~4)
-    DOCS_CALL, ERROR_PREFIX = "apis.api_docs.", "Execution failed"  # for the behaviour shares
 
     @staticmethod
     def tasks(split):
@@ -432,10 +432,8 @@ class AppWorldEnv:
         self.task_id = task_id
         self.timeout = timeout
         self.experiment = experiment
-        self.done = False
-        self.failed = False
-        self.task = None
-        self.worker = None
+        self.done = self.failed = False
+        self.task = self.worker = None
 
     @staticmethod
     def take_worker():
@@ -448,12 +446,12 @@ class AppWorldEnv:
 
     @staticmethod
     def start_worker():
-        # From the forkserver, a clean process (a fork would inherit CUDA state, NCCL threads and
-        # other threads' locks); it imports the apps once (3-4 s) for every worker it forks.
+        """From the forkserver, a clean process (a fork would inherit CUDA state, NCCL threads and
+        other threads' locks); it imports the apps once (3-4 s) for every worker it forks."""
         from appworld.apps import get_all_apps
         ctx = multiprocessing.get_context("forkserver")
-        apps = [f"appworld.apps.{app}.apis" for app in get_all_apps()]
-        ctx.set_forkserver_preload(["__main__", "appworld", *apps])
+        ctx.set_forkserver_preload(["__main__", "appworld",
+                                    *(f"appworld.apps.{app}.apis" for app in get_all_apps())])
         conn, child = ctx.Pipe()
         worker = ctx.Process(target=appworld_worker, args=(child,), daemon=True)
         worker.start()
@@ -481,9 +479,7 @@ class AppWorldEnv:
             root = os.environ.get("APPWORLD_ROOT", os.getcwd())
             load = ("load", (self.task_id, self.experiment, self.timeout, root))
             self.task = self.call(load, wait=self.START_TIMEOUT) or "(the world failed to start)"
-        with open(APPWORLD_PROMPT) as fh:
-            prompt = fh.read().strip()
-        return [{"role": "system", "content": prompt}, {"role": "user", "content": self.task}]
+        return [{"role": "system", "content": self.PROMPT}, {"role": "user", "content": self.task}]
 
     def step(self, code):
         reply = None if self.failed else self.call(("execute", code), wait=self.timeout + 60)
@@ -508,8 +504,8 @@ class AppWorldEnv:
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 
 
-# 4. Rollouts: the POMDP of paper §4.1. One token sequence per episode; `is_output` marks the
-#    tokens the policy sampled (its actions, stop token included), everything else is context.
+# 4. Rollouts (ALGO LOGIC): the POMDP of paper §4.1. One token sequence per episode; `is_output`
+#    marks the tokens the policy sampled (its actions, stop token included), the rest is context.
 @dataclass(eq=False)
 class Episode:
     task_id: str
@@ -530,6 +526,12 @@ class Episode:
         self.ids += ids
         self.is_output += [output] * len(ids)
         self.turn += [turn] * len(ids)
+
+def join(e, ids, cfg, output=False, turn=-1):
+    """ids join the episode as far as the context cap allows, the one place it is enforced: an
+    episode that reaches the cap is done, and no id ever lies beyond it."""
+    e.add(ids[:cfg.max_context - len(e.ids)], output, turn)
+    e.done = e.done or len(e.ids) >= cfg.max_context
 
 class WaveCache:
     """A wave's KV cache, carried across its turns: row i (its i-th live episode) holds the first
@@ -568,13 +570,13 @@ def generate(model, chat, prompts, temperature, max_new_tokens, cache=None):
     """Sample one turn for a batch of episodes: each one's ids, cut after the first stop token.
     With a wave's cache only what it lacks is fed (last token, observation); else all of it."""
     from transformers import GenerationConfig
-    pad, device = chat.tok.pad_token_id, next(model.parameters()).device
+    pad = chat.tok.pad_token_id
     fed = cache.fed if cache and cache.mask is not None else [0] * len(prompts)
     new = [p[n:] for p, n in zip(prompts, fed)]
     width = max(map(len, new))
     # padding in front of each row's new ids, so that all rows end at the last column
-    ids = torch.tensor([[pad] * (width - len(x)) + x for x in new], device=device)
-    attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in new], device=device)
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in new], device=DEVICE)
+    attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in new], device=DEVICE)
     if cache and cache.mask is not None:  # generate feeds only the columns past the cached ones
         attn = torch.cat([cache.mask, attn], 1)
         ids = torch.cat([torch.full_like(cache.mask, pad), ids], 1)
@@ -585,14 +587,14 @@ def generate(model, chat, prompts, temperature, max_new_tokens, cache=None):
                               eos_token_id=chat.stop_ids, pad_token_id=pad)
     # synced: under FSDP a rank that is done keeps joining the others' forward passes
     out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                         cache=cache.kv if cache else None, synced_gpus=dist.is_initialized())
+                         cache=cache.kv if cache else None, synced_gpus=WORLD > 1)
     rows = []
     for row in out[:, ids.shape[1]:].tolist():
         stops = [i for i, t in enumerate(row) if t in chat.stop_ids]
         rows.append(row[:stops[0] + 1] if stops else row)
     if cache:  # it holds every column but the last one sampled (and strays lay_out() drops)
         n = out.shape[1] - ids.shape[1]
-        sampled = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows], device=device)
+        sampled = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows], device=DEVICE)
         cache.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
         cache.fed = [len(p) + min(len(r), n - 1) for p, r in zip(prompts, rows)]
     return rows
@@ -602,8 +604,7 @@ def start_wave(pairs, chat, cfg):
     wave = []
     for (env, task_id), messages in zip(pairs, concurrently([env.messages for env, _ in pairs])):
         e = Episode(task_id, env, transcript=list(messages), done=getattr(env, "done", False))
-        e.add(chat.prompt(messages))
-        e.done = e.done or len(e.ids) >= cfg.max_context  # a world that failed, a prompt too long
+        join(e, chat.prompt(messages), cfg)  # (done already if its world failed to start)
         wave.append(e)
     return wave
 
@@ -627,7 +628,7 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     pairs = list(zip(envs, task_ids))
     waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
     episodes, wave, rows, cache, turn = [], [], [], None, 0
-    bar = tqdm(desc=desc, leave=False, disable=True if rank_world()[0] else None)
+    bar = tqdm(desc=desc, leave=False, disable=True if RANK else None)
     layers = []  # the FSDP modules but the root, which FSDP keeps gathered after its forward
     if cfg.rollout_full_weights:
         layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
@@ -641,16 +642,16 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
                 episodes += wave
                 cache, turn = (WaveCache() if carry_cache else None), 0
             live = [e for e in wave if not e.done]
-            if not all_reduce([len(live)], "max")[0]:
+            if not all_reduce([len(live)], dist.ReduceOp.MAX)[0]:
                 break
             if live and cache:
                 kept = [i for i, e in enumerate(rows) if not e.done]
                 cache.lay_out(kept, [len(e.ids) for e in live])
             rows = live
+            # no episode can take more than its room below the cap (join() cuts the others)
             room = max((cfg.max_context - len(e.ids) for e in live), default=1)
             prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
-            new_tokens = min(cfg.max_new_tokens, room)
-            outputs = generate(model, chat, prompts, temperature, new_tokens,
+            outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room),
                                cache if live else None)
             codes = [act(e, new, turn, chat, cfg) for e, new in zip(live, outputs)]
             results = concurrently([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
@@ -670,11 +671,11 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     return episodes
 
 def act(e, new, turn, chat, cfg):
-    """The sampled turn joins the episode as actions; returns the code in it."""
-    new = new[:cfg.max_context - len(e.ids)]
-    e.add(new, output=True, turn=turn)
+    """The sampled turn joins the episode as actions; returns the code in what joined."""
+    start = len(e.ids)
+    join(e, new, cfg, output=True, turn=turn)
     # whole turns: characters stay intact; read as the template renders it, after its <think>
-    text = chat.reply_start + chat.tok.decode(new, skip_special_tokens=True)
+    text = chat.reply_start + chat.tok.decode(e.ids[start:], skip_special_tokens=True)
     e.transcript.append({"role": "assistant", "content": text})
     code = extract_code(text)
     docs = getattr(e.env, "DOCS_CALL", None)
@@ -709,17 +710,13 @@ def observe(e, output, last_turn, chat, cfg):
     error = getattr(e.env, "ERROR_PREFIX", None)
     e.erred = e.erred or (error is not None and observation.startswith(error))
     e.transcript.append({"role": "user", "content": observation})
-    e.done = getattr(e.env, "done", False) or last_turn or len(e.ids) >= cfg.max_context
+    e.done = e.done or getattr(e.env, "done", False) or last_turn
     if not e.done:
         closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
-        context = closing + chat.observation(observation)
-        if len(e.ids) + len(context) < cfg.max_context:
-            e.add(context)
-        else:  # no room for the observation and a next turn: no id ever lies beyond the cap
-            e.done = True
+        join(e, closing + chat.observation(observation), cfg)
 
 
-# 5. Leave-one-out advantages (Eq. 3)
+# 5. Leave-one-out advantages (ALGO LOGIC, Eq. 3)
 def loo_advantages(rewards, normalize=False, valid=None):
     """rewards [N, K] -> A_k = R_k - mean_{i!=k} R_i = K/(K-1) (R_k - mean R), no std division.
     `valid` [N, K] marks the rollouts whose world did not fail: a failed one leaves its group,
@@ -735,7 +732,7 @@ def loo_advantages(rewards, normalize=False, valid=None):
     return torch.where(valid & (k >= 2), adv, math.nan)
 
 
-# 6. The clipped objective (Eq. 5) and its per-turn / per-trajectory / on-policy variants
+# 6. The clipped objective (ALGO LOGIC, Eq. 5) and its per-turn, per-trajectory, on-policy variants
 LOG_RATIO_BOUND = 40.0  # |log r| past this: no gradient (exp(40) x 3k tokens stays finite)
 
 def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
@@ -766,15 +763,15 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
     return -(objective * mask).sum(1) / n, n_clipped
 
 
-# 7. The training step
+# 7. The training step (ALGO LOGIC)
 NO_OUTPUT = Episode("", None, [0, 0], [False, False], [-1, -1])  # an empty pass: zero loss
 
-def pad_batch(episodes, device):
+def pad_batch(episodes):
     """ids, attention mask, is_output and turn of the episodes, right-padded to one width."""
     width = max(len(e.ids) for e in episodes)
 
     def pad(rows, value):
-        return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=device)
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=DEVICE)
 
     return (pad([e.ids for e in episodes], 0), pad([[1] * len(e.ids) for e in episodes], 0),
             pad([e.is_output for e in episodes], False), pad([e.turn for e in episodes], -1))
@@ -807,10 +804,9 @@ def old_logprobs(model, episodes, keep, counts, cfg):
     """log p_psi of each kept rollout's tokens, from the model about to be updated, right before
     the update, at the sampling temperature (reference code: recompute_rollout_probs)."""
     model.eval()
-    device = next(model.parameters()).device
     old = {}
     for chunk in micro_batches(keep, counts, cfg.micro_batch_size):
-        ids, attn, _, _ = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT], device)
+        ids, attn, _, _ = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT])
         for i, logp in zip(chunk, token_logprobs(model, ids, attn, cfg.temperature)):
             old[i] = logp[:len(episodes[i].ids) - 1]
     return old
@@ -818,23 +814,21 @@ def old_logprobs(model, episodes, keep, counts, cfg):
 def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
     """Accumulate one minibatch's gradient over its micro-batches; returns the sums over ranks
     of [loss, KL estimate, clipped tokens, output tokens]."""
-    world = rank_world()[1]
-    device = next(model.parameters()).device
     totals = [0.0, 0.0, 0, 0]
     for chunk in chunks:
-        ids, attn, is_output, turn = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT], device)
+        ids, attn, is_output, turn = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT])
         logp = token_logprobs(model, ids, attn, cfg.temperature)
         if chunk:
             old_logp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True)
-            adv = advantages[chunk].to(device)
+            adv = advantages[chunk].to(DEVICE)
         else:  # an empty pass that only joins the other ranks' collectives
             old_logp = logp.detach()
-            adv = torch.zeros(1, device=device)
+            adv = torch.zeros(1, device=DEVICE)
         mask = is_output[:, 1:] & attn[:, 1:].bool()  # targets x_1.. that the policy sampled
         per_rollout, n_clipped = loop_loss(logp, old_logp, adv, mask, turn[:, 1:], cfg.ratio,
                                            cfg.clip_eps)
         # sum over rollouts / minibatch size; x world because FSDP averages gradients over ranks
-        (per_rollout.sum() * world / cfg.minibatch_size).backward()
+        (per_rollout.sum() * WORLD / cfg.minibatch_size).backward()
         kl = -((logp - old_logp) * mask).sum()
         step = [per_rollout.sum().item(), kl.item(), n_clipped.item(), mask.sum().item()]
         totals = [a + b for a, b in zip(totals, step)]
@@ -843,11 +837,10 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
 def update(model, opt, episodes, advantages, cfg):
     """PPO epochs over the iteration's rollouts. Under FSDP a minibatch spans the ranks (each takes
     its share of its own rollouts), each running as many passes (empty ones) as the busiest."""
-    rank, world = rank_world()
     # a rollout without a leave-one-out group (NaN: its world failed) has no advantage at all
     keep = [i for i, a in enumerate(advantages.tolist())
             if not math.isnan(a) and abs(a) >= cfg.min_abs_advantage]
-    counts = all_reduce([len(keep) * (r == rank) for r in range(world)])  # kept, per rank
+    counts = all_reduce([len(keep) * (r == RANK) for r in range(WORLD)])  # kept, per rank
     stats = {"rollouts_used": int(sum(counts)), "steps": 0, "skipped_nan": 0, "abandoned": False,
              "kl": 0.0, "clip_fraction": 0.0, "loss": 0.0, "grad_norm": 0.0}
     if not sum(counts):
@@ -855,7 +848,7 @@ def update(model, opt, episodes, advantages, cfg):
     old = old_logprobs(model, episodes, keep, counts, cfg)
     model.train()
     params = [p for group in opt.param_groups for p in group["params"]]  # FSDP's sharded ones
-    share = math.ceil(cfg.minibatch_size / world)  # this rank's part of a minibatch
+    share = math.ceil(cfg.minibatch_size / WORLD)  # this rank's part of a minibatch
     kls, losses, norms = [], [], []
     clipped = outputs = 0
     for _ in range(cfg.epochs):
@@ -892,12 +885,18 @@ def update(model, opt, episodes, advantages, cfg):
     return stats
 
 
+
+
 # 8. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
+def scenario(task_id):
+    """A task's scenario: its id up to "_" (the environment interface's "<scenario>_<n>")."""
+    return task_id.split("_")[0]
+
 def goal_completion(results):
-    """results: (task_id, success, reward) per task, a task's scenario being its id up to "_"."""
+    """results: (task_id, success, reward) per task -> TGC, SGC and the mean reward."""
     by_scenario = {}
     for task_id, success, _ in results:
-        by_scenario.setdefault(task_id.split("_")[0], []).append(success)
+        by_scenario.setdefault(scenario(task_id), []).append(success)
     return {"tgc": mean([success for _, success, _ in results]),
             "sgc": mean([all(tasks) for tasks in by_scenario.values()]),
             "reward_mean": mean([reward for _, _, reward in results]),
@@ -907,15 +906,14 @@ def goal_completion(results):
 def evaluate(model, chat, cfg, split, iteration, run_dir):
     started = time.time()
     env = ENVS[cfg.env]
-    rank, world = rank_world()
-    tasks = env.tasks(split)[rank::world]  # each rank plays its share; rank 0 gathers the results
+    tasks = env.tasks(split)[RANK::WORLD]  # each rank plays its share; rank 0 gathers the results
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
     envs = [env(t, cfg.code_timeout, experiment) for t in tasks]
     episodes = rollout(model, chat, envs, tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
                        desc=f"eval {split}")
     results = [(e.task_id, e.success, e.reward) for e in episodes]
-    if world > 1:
-        parts = [None] * world
+    if WORLD > 1:
+        parts = [None] * WORLD
         dist.all_gather_object(parts, results)
         results = [r for part in parts for r in part]
     failures = all_reduce([sum(e.failed for e in episodes)])[0]  # counted as not completed
@@ -923,21 +921,16 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
            "env_failures": int(failures), "seconds": round(time.time() - started, 2)}
     if cfg.env == "appworld":  # `appworld evaluate <experiment> <split>` reports the same numbers
         row["appworld_experiment"] = experiment
-    if rank == 0:
-        folder = os.path.join(run_dir, "transcripts")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"{split}_iter{iteration:04d}.txt"), "w") as fh:
-            fh.write("".join(map(transcript, spread(episodes))))
+    if RANK == 0:  # the first episode of 3 scenarios spread over the split, the same each time
+        first = {}  # (a split's first tasks may all be of a kind solved before any training)
+        for e in episodes:
+            first.setdefault(scenario(e.task_id), e)
+        firsts = list(first.values())
+        shown = [firsts[i * len(firsts) // 3] for i in range(min(3, len(firsts)))]
+        os.makedirs(os.path.join(run_dir, "transcripts"), exist_ok=True)
+        path = os.path.join(run_dir, "transcripts", f"{split}_iter{iteration:04d}.txt")
+        pathlib.Path(path).write_text("".join(map(transcript, shown)))
     return row
-
-def spread(episodes, n=3):
-    """The first episode of n scenarios spread evenly over the split, the same at each evaluation
-    (a split's first tasks may all be of a kind the model solves before any training)."""
-    first = {}
-    for e in episodes:
-        first.setdefault(e.task_id.split("_")[0], e)
-    firsts = list(first.values())
-    return [firsts[i * len(firsts) // n] for i in range(min(n, len(firsts)))]
 
 def transcript(e):
     """An episode as text: its task, the checks it passed, then every message."""
@@ -946,8 +939,9 @@ def transcript(e):
     return head + "".join(f"--- {m['role']}\n{m['content']}\n" for m in e.transcript) + "\n"
 
 
-# 9. Checkpoints: trainable weights (the adapter with LoRA) and optimizer state by name through
-#    torch.distributed.checkpoint, one shard per rank, loadable by any number of ranks
+# 9. Checkpoints and the log (infrastructure): trainable weights (the adapter with LoRA) and
+#    optimizer state by name through torch.distributed.checkpoint, one shard per rank, loadable
+#    by any number of ranks; the metrics rows in metrics.jsonl
 def train_state(model, opt, optimizer):
     """Trainable weights by name, and the optimizer's state tensors by name if asked for."""
     import torch.distributed.checkpoint.state_dict as sd
@@ -960,18 +954,16 @@ def save_checkpoint(run_dir, model, opt, iteration):
     checkpoint of this iteration or the one before. No RNG state: iterations seed themselves."""
     import torch.distributed.checkpoint as dcp
     path = os.path.join(run_dir, "checkpoint")
-    tmp = path + ".tmp"
-    rank = rank_world()[0]
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if RANK == 0:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
     # a stateless AdamW (no step yet) saves none: get_state_dict would add a step 0 AdamW counts
     state = train_state(model, opt, optimizer=bool(opt.state))
-    dcp.save(state | {"iteration": iteration}, checkpoint_id=tmp)  # all ranks
-    if rank == 0:  # (the next save's collectives keep the other ranks from writing before this)
+    dcp.save(state | {"iteration": iteration}, checkpoint_id=path + ".tmp")  # all ranks
+    if RANK == 0:  # (the next save's collectives keep the other ranks from writing before this)
         if os.path.isdir(path):
             shutil.rmtree(path + ".old", ignore_errors=True)  # what a kill may have left
             os.replace(path, path + ".old")  # between the two renames, .old is the complete one
-        os.replace(tmp, path)
+        os.replace(path + ".tmp", path)
         shutil.rmtree(path + ".old", ignore_errors=True)
 
 def last_checkpoint(run_dir):
@@ -1004,44 +996,58 @@ def save_model(run_dir, model, tok, iteration):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)  # every rank: it gathers the shards
-    if rank_world()[0] == 0:
+    if RANK == 0:
         model.save_pretrained(os.path.join(run_dir, "model"), state_dict=state)
         tok.save_pretrained(os.path.join(run_dir, "model"))
         trained = json.dumps({"run": os.path.abspath(run_dir), "iteration": iteration})
         write_atomically(os.path.join(run_dir, "model", "trained.json"), trained)
 
-def trained_iterations(model_dir):
-    """The iterations a run's model/ was trained for; 0 for weights no run of loop.py made."""
-    path = os.path.join(os.path.expanduser(model_dir), "trained.json")
-    if not os.path.exists(path):
-        return 0
-    with open(path) as fh:
-        return json.load(fh)["iteration"]
+def write_atomically(path, text):
+    """A kill while this writes leaves the old file or the new one, never part of one."""
+    pathlib.Path(path + ".tmp").write_text(text)
+    os.replace(path + ".tmp", path)
 
 def read_metrics(path):
     """The rows of a metrics.jsonl; a line cut short by a kill while it was written is dropped."""
     rows = []
-    if not os.path.exists(path):  # a run killed before it logged anything
-        return rows
-    with open(path) as fh:
-        for line in fh:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for line in pathlib.Path(path).read_text().splitlines() if os.path.exists(path) else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return rows
 
-def keep_rows(path, last):
-    """Keep the log's rows up to iteration `last` only (none twice, no cut line); return them."""
-    rows = [r for r in read_metrics(path) if r["iteration"] <= last]
-    write_atomically(path, "".join(json.dumps(r) + "\n" for r in rows))
-    return rows
+class Log:
+    """Rank 0's record of a run: each metrics row to metrics.jsonl and as a short line to the
+    console; with --track every number to TensorBoard and/or wandb (imported only then), under
+    train/ or the split evaluated, with the iteration as the step."""
 
-def write_atomically(path, text):
-    """A kill while this writes leaves the old file or the new one, never part of one."""
-    with open(path + ".tmp", "w") as fh:
-        fh.write(text)
-    os.replace(path + ".tmp", path)
+    def __init__(self, cfg, run_dir):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in cfg.track.split(","):
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if "wandb" in cfg.track.split(","):
+            import wandb
+            configured = os.environ.get("WANDB_MODE") or wandb.api.api_key  # else offline
+            self.wandb = wandb.init(project="loop", dir=run_dir, config=dataclasses.asdict(cfg),
+                                    name=os.path.basename(os.path.abspath(run_dir)),
+                                    mode=None if configured else "offline")
+
+    def __call__(self, row):
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        tqdm.write(summary(row))
+        group = row.get("split", "train")
+        scalars = {f"{group}/{key}": float(value) for key, value in row.items()
+                   if isinstance(value, (int, float)) and key != "iteration"}
+        if self.tensorboard:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, row["iteration"])
+            self.tensorboard.flush()
+        if self.wandb:
+            self.wandb.log(scalars, step=row["iteration"])
 
 def summary(row):
     """The console's line for a metrics row: the numbers to watch (metrics.jsonl has them all)."""
@@ -1054,46 +1060,17 @@ def summary(row):
             f"{100 * row['success_rate']:.1f}% kl {row['kl']:.3f} clip "
             f"{row['clip_fraction']:.3f}{failed}, {row['seconds']:.0f} s")
 
-class Trackers:
-    """--track: every number of a metrics row to TensorBoard and/or wandb (imported only when
-    asked for), under train/ or the split evaluated, with the iteration as the step."""
-
-    def __init__(self, cfg, run_dir):
-        names = cfg.track.split(",")
-        self.tensorboard = self.wandb = None
-        if "tensorboard" in names:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        if "wandb" in names:
-            import wandb
-            configured = os.environ.get("WANDB_MODE") or wandb.api.api_key  # else offline
-            self.wandb = wandb.init(project="loop", dir=run_dir, config=dataclasses.asdict(cfg),
-                                    name=os.path.basename(os.path.abspath(run_dir)),
-                                    mode=None if configured else "offline")
-
-    def log(self, row):
-        group = row.get("split", "train")
-        scalars = {f"{group}/{key}": float(value) for key, value in row.items()
-                   if isinstance(value, (int, float)) and key != "iteration"}
-        if self.tensorboard:
-            for key, value in scalars.items():
-                self.tensorboard.add_scalar(key, value, row["iteration"])
-            self.tensorboard.flush()
-        if self.wandb:
-            self.wandb.log(scalars, step=row["iteration"])
-
 
 # 10. Main: iterations of rollouts -> advantages -> update
 def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     """N tasks x K rollouts -> leave-one-out advantages -> PPO epochs; returns the metrics row."""
     started = time.time()
-    rank, world = rank_world()
     # seeded per iteration: a resumed run samples what the unbroken run would have
     seed = cfg.seed * 10**6 + iteration * 1000
-    random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
+    random.seed(seed + RANK)
+    torch.manual_seed(seed + RANK)
     n_tasks = min(cfg.tasks_per_iteration, len(train_tasks))
-    tasks = random.Random(seed).sample(train_tasks, n_tasks)[rank::world]
+    tasks = random.Random(seed).sample(train_tasks, n_tasks)[RANK::WORLD]
     k = cfg.rollouts_per_task
     task_ids = [task for task in tasks for _ in range(k)]  # a task's K rollouts share a rank
     # the K worlds of a task save their outputs apart
@@ -1137,41 +1114,19 @@ def check_kv_cache(cfg, model, wave):
         die(f"a wave of {wave} episodes of up to {cfg.max_context} tokens needs {need:.1f} GiB of "
             f"KV cache per GPU and {free / 2**30:.1f} GiB are free: set {room} or lower")
 
-def start_distributed():
-    if "RANK" not in os.environ:
-        die("--fsdp runs under torchrun: torchrun --nproc_per_node G loop.py --fsdp ...")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-
-def name_run_dir(cfg):
-    """Rank 0 names the run directory, which every rank shares; nothing is written yet."""
-    name = [cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
-    if dist.is_initialized():
-        dist.broadcast_object_list(name)  # ranks that started a second apart share rank 0's
-    run_dir = name[0]
-    if not cfg.resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        die(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
-            "or give another --out")
-    return run_dir
-
-def make_run_dir(run_dir, cfg):
-    """config.json: the settings of the run, the directory it writes to as its --out."""
-    if rank_world()[0] == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        settings = json.dumps(dataclasses.asdict(cfg) | {"out": run_dir, "resume": ""}, indent=1)
-        write_atomically(os.path.join(run_dir, "config.json"), settings)
-
-def say(text):
-    if rank_world()[0] == 0:
-        tqdm.write(text, file=sys.stderr)
-
 def main(argv=None):
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1-process DCP
     if cfg.fsdp:
         start_distributed()
-    run_dir = name_run_dir(cfg)
+    # rank 0 names the run directory, which every rank shares; nothing is written yet
+    name = [cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
+    if WORLD > 1:
+        dist.broadcast_object_list(name)
+    run_dir = name[0]
+    if not cfg.resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        die(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
+            "or give another --out")
     try:
         run(cfg, run_dir)
     except KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
@@ -1184,26 +1139,19 @@ def main(argv=None):
         dist.barrier()  # a rank that tore it down while another still wrote the model aborted
         dist.destroy_process_group()
 
-def run(cfg, run_dir):
-    """The model, the iteration-0 evaluation, then LOOP's iterations, all written to run_dir."""
-    rank = rank_world()[0]
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
-                          else "cpu")
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    checkpoint, start = last_checkpoint(run_dir) if cfg.resume else (None, 0)
-    if checkpoint and start >= cfg.iterations and os.path.isdir(os.path.join(run_dir, "model")):
-        return say(f"{run_dir} is finished ({start} iterations): nothing to do")
+def start(cfg, run_dir, checkpoint):
+    """The tasks, the model and its Chat, AdamW, the checkpoint, then config.json: a start that
+    fails leaves the run directory as it was, or none."""
     try:  # a missing data root or an unknown split stops before the model loads
         eval_tasks = ENVS[cfg.env].tasks(cfg.split)
         train_tasks = [] if cfg.eval else ENVS[cfg.env].tasks(cfg.train_split)
     except ValueError as e:
         die(str(e))
-    model, tok = load_model_and_tokenizer(cfg, device)
+    model, tok = load_model_and_tokenizer(cfg)
     chat = chat_of(model, tok)
-    if device.type == "cuda":  # the most episodes a rank plays in one rollout, in waves
-        world = rank_world()[1]
-        n_train = math.ceil(min(cfg.tasks_per_iteration, len(train_tasks)) / world)
-        wave = max(math.ceil(len(eval_tasks) / world), n_train * cfg.rollouts_per_task)
+    if DEVICE.type == "cuda":  # the most episodes a rank plays in one rollout, in waves
+        n_train = math.ceil(min(cfg.tasks_per_iteration, len(train_tasks)) / WORLD)
+        wave = max(math.ceil(len(eval_tasks) / WORLD), n_train * cfg.rollouts_per_task)
         check_kv_cache(cfg, model, min(cfg.batch_episodes, wave))
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable and not cfg.eval:  # a LoRA run's model/ loads its adapter frozen
@@ -1214,32 +1162,41 @@ def run(cfg, run_dir):
         opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if checkpoint:
         load_checkpoint(checkpoint, model, opt)
-    make_run_dir(run_dir, cfg)  # only now: a start that failed leaves the run as it was, or none
-    say(f"resuming {run_dir} from iteration {start}" if checkpoint else f"writing to {run_dir}")
-    trackers = Trackers(cfg, run_dir) if rank == 0 else None
+    if RANK == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        settings = dataclasses.asdict(cfg) | {"out": run_dir, "resume": ""}
+        write_atomically(os.path.join(run_dir, "config.json"), json.dumps(settings, indent=1))
+    return model, tok, chat, opt, train_tasks
 
-    def log(row):  # rank 0 only; the numbers are already reduced over ranks
-        if rank == 0:
-            with open(metrics, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-            trackers.log(row)
-            tqdm.write(summary(row))
-
+def run(cfg, run_dir):
+    """The iteration-0 evaluation, then LOOP's iterations, all written to run_dir."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    checkpoint, begin = last_checkpoint(run_dir) if cfg.resume else (None, 0)
+    if checkpoint and begin >= cfg.iterations and os.path.isdir(os.path.join(run_dir, "model")):
+        return say(f"{run_dir} is finished ({begin} iterations): nothing to do")
+    model, tok, chat, opt, train_tasks = start(cfg, run_dir, checkpoint)
+    say(f"resuming {run_dir} from iteration {begin}" if checkpoint else f"writing to {run_dir}")
+    log = Log(cfg, run_dir) if RANK == 0 else lambda row: None  # rows are reduced over ranks
     # FSDP casts by its own mixed-precision policy
-    with torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
+    with torch.autocast(DEVICE.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
         if cfg.eval:  # a run's trained model/ reports the iteration it was trained to
-            log(evaluate(model, chat, cfg, cfg.split, trained_iterations(cfg.model), run_dir))
+            trained = pathlib.Path(os.path.expanduser(cfg.model), "trained.json")
+            iteration = json.loads(trained.read_text())["iteration"] if trained.exists() else 0
+            log(evaluate(model, chat, cfg, cfg.split, iteration, run_dir))
             return say(f"evaluated: {metrics}")
-        kept = keep_rows(metrics, start) if cfg.resume and rank == 0 else []
+        rows = []
+        if cfg.resume and RANK == 0:  # the rows up to the checkpoint: none twice, no cut line
+            rows = [r for r in read_metrics(metrics) if r["iteration"] <= begin]
+            write_atomically(metrics, "".join(json.dumps(r) + "\n" for r in rows))
         # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
-        if not start and not all_reduce([any("split" in r for r in kept)], "max")[0]:
+        if not begin and not all_reduce([any("split" in r for r in rows)], dist.ReduceOp.MAX)[0]:
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir))
-        for it in tqdm(range(start + 1, cfg.iterations + 1), desc="LOOP", disable=rank != 0):
+        for it in tqdm(range(begin + 1, cfg.iterations + 1), desc="LOOP", disable=RANK != 0):
             log(train_iteration(model, opt, chat, cfg, train_tasks, it))
             if it % cfg.eval_every == 0 or it == cfg.iterations:
                 log(evaluate(model, chat, cfg, cfg.split, it, run_dir))
             save_checkpoint(run_dir, model, opt, it)
-    save_model(run_dir, model, tok, max(start, cfg.iterations))
+    save_model(run_dir, model, tok, max(begin, cfg.iterations))
     say(f"finished: {run_dir} holds metrics.jsonl, transcripts/ and the trained model/")
 
 if __name__ == "__main__":

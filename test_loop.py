@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(HERE, "tools"))
 import ablation  # noqa: E402
 import make_tiny_model  # noqa: E402
 import play  # noqa: E402
+from appworld_root import AW_TASKS  # noqa: E402
 import plot  # noqa: E402
 from make_tiny_model import fence  # noqa: E402
 
@@ -200,7 +201,7 @@ def test_environment_tokens_cannot_change_the_loss(kind):
 def tiny():
     """The shipped tiny instruct model (assets/tiny-model), loaded as --tiny loads it."""
     cfg = loop.parse_config(["--tiny", "--seed", "0", "--max-new-tokens", "24"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     return cfg, model, loop.Chat(tok)
 
 
@@ -215,12 +216,10 @@ def episodes(tiny):
         calls.append(([list(p) for p in prompts], out))
         return out
 
-    loop.generate = recording
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "generate", recording)
         torch.manual_seed(1)
         eps = loop.rollout(model, chat, [tiny_world.TinyWorld(x, cfg.code_timeout) for x in tasks], tasks, cfg, 1.0, 3)
-    finally:
-        loop.generate = original
     return eps, calls
 
 
@@ -297,8 +296,7 @@ def biased_model(tiny, tmp_path_factory):
     saved.save_pretrained(path)
     chat.tok.save_pretrained(path)
     assert json.loads((path / "generation_config.json").read_text())["top_k"] == 20
-    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]),
-                                               torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]))
     return model, loop.Chat(tok, model.generation_config.eos_token_id)
 
 
@@ -310,7 +308,7 @@ def test_only_the_stop_ids_of_the_hub_generation_config_are_kept(biased_model):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_generate_samples_from_the_softmax_that_the_update_scores(biased_model, temperature):
+def test_generate_samples_from_the_softmax_that_the_update_scores(biased_model, temperature, monkeypatch):
     """loop.generate's processed scores (what it sampled from) give each sampled token the log-prob
     that token_logprobs gives it: no top-k, top-p or repetition penalty slipped in."""
     model, chat = biased_model
@@ -322,13 +320,11 @@ def test_generate_samples_from_the_softmax_that_the_update_scores(biased_model, 
         out = original(**kwargs)
         scores.append(torch.stack(out.scores, 1))
         return out.sequences
-    model.generate = with_scores
-    chat.stop_ids = [len(chat.tok)]  # nothing ends a turn: every row samples all 40 tokens
+    monkeypatch.setattr(model, "generate", with_scores)
+    monkeypatch.setattr(chat, "stop_ids", [len(chat.tok)])  # nothing ends a turn: all 40 tokens
     torch.manual_seed(7)
-    try:
-        new = torch.tensor(loop.generate(model, chat, prompts, temperature, 40))
-    finally:
-        del model.generate
+    new = torch.tensor(loop.generate(model, chat, prompts, temperature, 40))
+    monkeypatch.undo()
     sampled = torch.log_softmax(scores[0].float(), -1).gather(-1, new[..., None]).squeeze(-1)
     width = max(map(len, prompts))
     ids = torch.tensor([[chat.tok.pad_token_id] * (width - len(p)) + p for p in prompts])
@@ -354,24 +350,20 @@ def _count_fed_tokens(model):
 
 
 @pytest.mark.parametrize("batch_episodes", [5, 2])
-def test_the_carried_kv_cache_gives_the_ids_that_prefilling_every_turn_gives(tiny, batch_episodes):
+def test_the_carried_kv_cache_gives_the_ids_that_prefilling_every_turn_gives(tiny, batch_episodes, monkeypatch):
     """Greedy episodes of 1 to 3 turns (so rows leave the cache mid-wave), in one wave or three:
     the ids are the same either way, and with the cache every token goes through the model once."""
     import copy
     import dataclasses
     cfg, model, chat = tiny
     cfg = dataclasses.replace(cfg, batch_episodes=batch_episodes, max_new_tokens=12)
-    stops = chat.stop_ids
-    chat.stop_ids = [len(chat.tok)]  # every turn samples all 12 tokens: no padding after a stop
+    monkeypatch.setattr(chat, "stop_ids", [len(chat.tok)])  # all 12 tokens: no padding after a stop
     played, fed = [], []
-    try:
-        for reference in ({}, {"carry_cache": False}):  # as training plays them, and re-prefilled
-            m = copy.deepcopy(model)
-            fed.append(_count_fed_tokens(m))
-            envs = [_Scripted(n) for n in (3, 1, 2, 3, 2)]
-            played.append(loop.rollout(m, chat, envs, ["x"] * 5, cfg, 0.0, 3, **reference))
-    finally:
-        chat.stop_ids = stops
+    for reference in ({}, {"carry_cache": False}):  # as training plays them, and re-prefilled
+        m = copy.deepcopy(model)
+        fed.append(_count_fed_tokens(m))
+        envs = [_Scripted(n) for n in (3, 1, 2, 3, 2)]
+        played.append(loop.rollout(m, chat, envs, ["x"] * 5, cfg, 0.0, 3, **reference))
     assert [1 + max(e.turn) for e in played[0]] == [3, 1, 2, 3, 2]
     assert [e.ids for e in played[0]] == [e.ids for e in played[1]]
     tokens = sum(len(e.ids) for e in played[0])
@@ -410,7 +402,7 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
     carried, reprefilled = played
     assert [e.ids for e in carried] == [e.ids for e in reprefilled]
     assert any(max(e.turn) > 0 for e in carried)  # an episode that went on after a turn
-    ids, attn, _, _ = loop.pad_batch(carried, "cpu")
+    ids, attn, _, _ = loop.pad_batch(carried)
     with torch.no_grad():
         scored = loop.token_logprobs(model, ids, attn, 1.0)
     row_of = {id(e.ids): i for i, e in enumerate(carried)}
@@ -474,7 +466,7 @@ def test_sampling_with_the_carried_cache_equals_scoring_the_whole_episode(tiny, 
     eps = loop.rollout(model, chat, [_Scripted(3) for _ in range(4)], ["x"] * 4, cfg, 1.0, 3)
     monkeypatch.undo()
     assert len(calls) == 3 and all(1 + max(e.turn) == 3 for e in eps)
-    ids, attn, _, _ = loop.pad_batch(eps, "cpu")
+    ids, attn, _, _ = loop.pad_batch(eps)
     with torch.no_grad():
         scored = loop.token_logprobs(model, ids, attn, 1.0)
     for i, e in enumerate(eps):
@@ -487,7 +479,7 @@ def test_sampling_with_the_carried_cache_equals_scoring_the_whole_episode(tiny, 
 def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
     cfg, model, chat = tiny
     eps = episodes[0]
-    ids, attn, is_out, turn = loop.pad_batch(eps, "cpu")
+    ids, attn, is_out, turn = loop.pad_batch(eps)
     logp = loop.token_logprobs(model, ids, attn, 1.0).detach().requires_grad_(True)
     loss, _ = loop.loop_loss(logp, logp.detach() - 0.05, torch.tensor([1.0, -1.0, 0.5, 2.0]),
                              is_out[:, 1:] & attn[:, 1:].bool(), turn[:, 1:])
@@ -498,7 +490,7 @@ def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
 
 def _mean_output_logp(model, e):
     """Mean log-probability, at T = 1, of the tokens the policy sampled in episode e."""
-    ids, attn, is_out, _ = loop.pad_batch([e], "cpu")
+    ids, attn, is_out, _ = loop.pad_batch([e])
     with torch.no_grad():
         return loop.token_logprobs(model, ids, attn, 1.0)[is_out[:, 1:]].mean().item()
 
@@ -737,36 +729,28 @@ class _Chatty:
 
 
 @pytest.mark.parametrize("cap", [150, 171, 230])
-def test_an_episode_ends_at_the_context_cap_with_no_id_beyond_it(tiny, cap):
+def test_an_episode_ends_at_the_context_cap_with_no_id_beyond_it(tiny, cap, monkeypatch):
     import dataclasses
     cfg, model, chat = tiny
     small = dataclasses.replace(cfg, max_context=cap, max_new_tokens=30, max_obs_tokens=200)
     torch.manual_seed(0)
-    chat_stop = chat.stop_ids
-    chat.stop_ids = [len(chat.tok)]  # every turn samples all 30 tokens unless the cap cuts it
-    try:
-        (e,) = loop.rollout(model, chat, [_Chatty()], ["x"], small, 1.0, 10)
-    finally:
-        chat.stop_ids = chat_stop
+    monkeypatch.setattr(chat, "stop_ids", [len(chat.tok)])  # all 30 tokens unless the cap cuts it
+    (e,) = loop.rollout(model, chat, [_Chatty()], ["x"], small, 1.0, 10)
     assert e.done and 0 < len(e.ids) <= cap
     assert len(e.ids) == len(e.is_output) == len(e.turn)
     assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output))
     assert max(e.turn) < 9  # the cap, not the turn limit, ended it
 
 
-def test_a_turn_that_reaches_the_context_cap_is_cut_there(tiny):
+def test_a_turn_that_reaches_the_context_cap_is_cut_there(tiny, monkeypatch):
     """Two episodes of unequal prompt length in one batch: the batch may sample up to the shorter
     one's room, and each episode keeps only what fits, ending exactly at the cap."""
     cfg, model, chat = tiny
     cap = 30
     small = dataclasses.replace(cfg, max_context=cap, max_new_tokens=30)
-    chat_stop = chat.stop_ids
-    chat.stop_ids = [len(chat.tok)]  # no turn stops early: each runs into the cap
-    try:
-        envs = [_Chatty(), _Chatty("go " * 4)]
-        eps = loop.rollout(model, chat, envs, ["x", "y"], small, 1.0, 10)
-    finally:
-        chat.stop_ids = chat_stop
+    monkeypatch.setattr(chat, "stop_ids", [len(chat.tok)])  # no turn stops early: each hits the cap
+    envs = [_Chatty(), _Chatty("go " * 4)]
+    eps = loop.rollout(model, chat, envs, ["x", "y"], small, 1.0, 10)
     prompts = [len(chat.prompt(env.messages())) for env in envs]
     assert prompts[0] + 30 > cap and prompts[0] < prompts[1] < cap
     for e, prompt in zip(eps, prompts):
@@ -1419,7 +1403,7 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
     heads = re.findall(r"^=== (\w+): \d of \d checks passed$", shown, flags=re.M)
     assert heads == ["order00_1", "payback00_1", "phone00_1"]  # spread over the split's scenarios
     # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
-    _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]), torch.device("cpu"))
+    _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]))
     _, shipped = loop.load_pretrained(loop.parse_config(["--tiny"]))
     text = fence(make_tiny_model.demo(random.Random(0))[1][0])
     assert loop.Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == loop.Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
@@ -1675,142 +1659,6 @@ def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
 
 
 # ---------------------------------------------------------------- AppWorld (the real package, offline)
-# A small data root built from the appworld package's own models and APIs: supervisor Joyce Weaver
-# with simple_note and todoist accounts; scenario 5a0f1c2 (two tasks: create a tagged note) and
-# scenario 9d3e7b4 (copy the chores of a note into a new todoist project, answer their count).
-AW_SUPERVISOR = dict(first_name="Joyce", last_name="Weaver", email="joyce-weav@gmail.com", phone_number="3155673041")
-AW_PASSWORDS = {"simple_note": "qwerty-note-17", "todoist": "todo&pass-42"}
-AW_CHORES = ["Mow the lawn", "Clean the garage", "Water the plants"]
-AW_EVAL_NOTE = '''
-import json
-def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
-    added, updated, removed = models.changed_records("simple_note.Note")
-    with test("""assert exactly one simple_note.Note was added and no existing note changed."""):
-        test.case(len(added), "==", 1)
-        test.case(len(updated) + len(removed), "==", 0)
-    with test("""assert the new note has the requested title and content."""):
-        test.case(added[0].title.strip().lower(), "==", public_data.title.lower())
-        test.case(added[0].content.strip().lower(), "==", public_data.content.lower())
-    with test("""assert the new note has exactly the requested tag."""):
-        test.case([t.strip().lower() for t in added[0].tags], "==", [public_data.tag.lower()])
-    with test("""assert answers match."""):
-        test.answer(json.loads(models.end.supervisor.Task.first().answer), ground_truth_answer)
-'''
-AW_EVAL_PROJECT = '''
-import json
-def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
-    added, _, _ = models.changed_records("todoist.Project")
-    with test("""assert exactly one todoist.Project with the requested name was added."""):
-        test.case(len(added), "==", 1)
-        test.case(added[0].name.strip().lower(), "==", public_data.project_name.lower())
-    with test("""assert the new project's tasks are exactly the chores of the note, in any order."""):
-        titles = [t.title.strip().lower() for t in models.end.todoist.Task.find_all(project_id=added[0].id)]
-        test.case(sorted(titles), "==", sorted(c.lower() for c in private_data.chores))
-    with test("""assert no simple_note data was changed."""):
-        test.case({n for n in models.changed_model_names() if n.startswith("simple_note.")}, "==", set())
-    with test("""assert answers match."""):
-        test.answer(json.loads(models.end.supervisor.Task.first().answer), ground_truth_answer)
-'''
-
-
-def _aw_note(title, content, tag):
-    return dict(instruction=f'Create a note in Simple Note titled "{title}" with the content "{content}" and tag it "{tag}".',
-                public=dict(title=title, content=content, tag=tag), private={}, answer=None, eval=AW_EVAL_NOTE,
-                labels=["no_op_fail"] * 4, apps=["simple_note"])
-
-
-AW_TASKS = {
-    "5a0f1c2_1": _aw_note("Book club", "Read chapters 3-5 by Friday", "reading"),
-    "5a0f1c2_2": _aw_note("Gym plan", "Legs on Monday, arms on Thursday", "fitness"),
-    "9d3e7b4_1": dict(
-        instruction='My Simple Note note titled "Weekend chores" lists one chore per line. Create a Todoist project '
-                    'named "Weekend" with one task per chore (task title = the chore), then tell me how many tasks you created.',
-        public=dict(project_name="Weekend"), private=dict(chores=AW_CHORES), answer=len(AW_CHORES), eval=AW_EVAL_PROJECT,
-        labels=["no_op_fail", "no_op_fail", "no_op_pass", "no_op_fail"], apps=["simple_note", "todoist"],
-        note=dict(title="Weekend chores", content="\n".join(AW_CHORES), tags=["home"])),
-}
-
-
-def build_appworld_root(root, split="fixture"):
-    """Write <root>/data for AW_TASKS (run it in a fresh process: AppWorld keeps global state)."""
-    import textwrap
-    from appworld.install import install_package
-    import appworld
-    if not os.path.isdir(os.path.join(os.path.dirname(appworld.__file__), "apps", "supervisor")):
-        install_package()
-    root = os.path.abspath(root)
-    os.environ["APPWORLD_ROOT"] = root
-    from appworld.api_docs import prepare_api_docs
-    from appworld.apps import get_all_apps
-    from appworld.apps.api_lib import save_local_dbs, set_local_date_and_time, unset_local_date_and_time
-    from appworld.apps.model_lib import CachedDBHandler
-    from appworld.collections.apis import ApiCollection
-    from appworld.collections.models import ModelCollection
-    from appworld.common.constants import CANARY_STRING, DB_VERSION
-    from appworld.common.datetime import DateTime
-    from appworld.common.utils import import_models_module as models
-
-    def dump(obj, *path):
-        os.makedirs(os.path.dirname(os.path.join(*path)), exist_ok=True)
-        with open(os.path.join(*path), "w") as fh:
-            fh.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
-
-    data, apps, when = os.path.join(root, "data"), list(get_all_apps()), "2023-05-18T12:00:00"
-    freezer = set_local_date_and_time(DateTime.fromisoformat(when))
-    try:
-        docs = {app: prepare_api_docs(app) for app in get_all_apps(skip_admin=True)}
-        for app, ds in docs.items():
-            dump({d["api_name"]: {**d, "canary_string": CANARY_STRING} for d in ds}, data, "api_docs", "standard", f"{app}.json")
-        base_mem = ":memory:fixture_base"
-        apis, _ = ApiCollection.load(to_db_home_path=base_mem, from_db_home_path=base_mem, load_apps=apps,
-                                     ignore_private_apis=False, create_db=True, max_num_requests=None)
-        models("api_docs").ApiDoc.save_all([models("api_docs").ApiDoc.create(app_name_=d["app_name"], **{
-            k: d[k] for k in ("api_name", "path", "method", "description", "parameters", "response_schemas")})
-            for ds in docs.values() for d in ds])
-        person = dict(**AW_SUPERVISOR, birthday="1990-06-09", sex="female")
-        main_user, supervisor = models("admin").MainUser.create(**person), models("supervisor").Supervisor.create(**person)
-        main_user.save()
-        supervisor.save()
-        for app, pw in AW_PASSWORDS.items():
-            models("admin").AccountPassword.create(main_user_id=main_user.id, account_name=app, password=pw).save()
-            models("supervisor").AccountPassword.create(supervisor_id=supervisor.id, account_name=app, password=pw).save()
-            models(app).User.create(first_name=AW_SUPERVISOR["first_name"], last_name=AW_SUPERVISOR["last_name"],
-                                    email=AW_SUPERVISOR["email"], password=pw, verified=True).save()
-        token = apis.simple_note.login(username=AW_SUPERVISOR["email"], password=AW_PASSWORDS["simple_note"])["access_token"]
-        apis.simple_note.create_note(title="Grocery list", content="eggs\nmilk", tags=["shopping"], access_token=token)
-        token = apis.todoist.login(username=AW_SUPERVISOR["email"], password=AW_PASSWORDS["todoist"])["access_token"]
-        apis.todoist.create_project(name="Work", access_token=token)
-        base = os.path.join(data, "base_dbs")
-        save_local_dbs(base_mem, base, format="full", app_names=apps, delete_if_exists=True, save_model_hashes=True)
-        ApiCollection.close_all()
-        CachedDBHandler.reset()
-        for tid, spec in AW_TASKS.items():  # each task: base + its supervisor.Task row, saved as changes
-            mem = f":memory:fixture_task-{tid}"
-            mc = ModelCollection.load(to_db_home_path=mem, from_db_home_path=base, load_apps=apps)
-            mc.supervisor.Task.create(supervisor_id=mc.supervisor.Supervisor.first().id, instruction=spec["instruction"]).save()
-            if "note" in spec:
-                mc.simple_note.Note.create(user_id=mc.simple_note.User.find_one(email=AW_SUPERVISOR["email"]).id, **spec["note"]).save()
-            task_dir = os.path.join(data, "tasks", tid)
-            save_local_dbs(mem, os.path.join(task_dir, "dbs"), format="changes", app_names=apps,
-                           delete_if_exists=True, save_model_hashes=True)
-            mc.close()
-            dump(dict(instruction=spec["instruction"], supervisor=AW_SUPERVISOR, datetime=when, db_version=DB_VERSION,
-                      canary_string=CANARY_STRING), task_dir, "specs.json")
-            gt, code = os.path.join(task_dir, "ground_truth"), textwrap.dedent(spec["eval"]).strip() + "\n"
-            requirements = [r.split('"""')[0] for r in code.split('with test("""')[1:]]
-            dump([dict(requirement=r, label=label) for r, label in zip(requirements, spec["labels"], strict=True)], gt, "test_data.json")
-            dump(code, gt, "evaluation.py")
-            dump(spec["public"], gt, "public_data.json")
-            dump(spec["private"], gt, "private_data.json")
-            dump(json.dumps(spec["answer"]), gt, "answer.json")
-            dump(dict(mode="minimal", difficulty=1, num_apps=len(spec["apps"]), num_apis=4, num_solution_code_lines=8), gt, "metadata.json")
-    finally:
-        ApiCollection.close_all()
-        CachedDBHandler.reset()
-        unset_local_date_and_time(freezer)
-    dump("\n".join(AW_TASKS) + "\n", data, "datasets", f"{split}.txt")
-
-
 AW_LOGIN = '''pw = {p["account_name"]: p["password"] for p in apis.supervisor.show_account_passwords()}
 email = apis.supervisor.show_profile()["email"]
 tok = {a: apis[a].login(username=email, password=pw[a])["access_token"] for a in ("simple_note", "todoist")}
@@ -1839,15 +1687,11 @@ def appworld_root(tmp_path_factory):
     except ImportError:
         pytest.fail("appworld is a required dependency: pip install -r requirements.txt")
     root = str(tmp_path_factory.mktemp("appworld"))
-    subprocess.run([sys.executable, "-c", f"import test_loop; test_loop.build_appworld_root({root!r})"],
-                   cwd=HERE, check=True, capture_output=True, timeout=300)
-    old = os.environ.get("APPWORLD_ROOT")
-    os.environ["APPWORLD_ROOT"] = root
-    yield root
-    if old is None:
-        os.environ.pop("APPWORLD_ROOT")
-    else:
-        os.environ["APPWORLD_ROOT"] = old
+    subprocess.run([sys.executable, os.path.join(HERE, "tools", "appworld_root.py"), root],
+                   check=True, capture_output=True, timeout=300)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("APPWORLD_ROOT", root)
+        yield root
 
 
 def test_appworld_scripted_policy_right_and_wrong(appworld_root):
@@ -2154,7 +1998,7 @@ def hang(env, message, wait, call=loop.AppWorldEnv.call):
 if __name__ == "__main__":  # the workers' forkserver imports this module again
     loop.AppWorldEnv.call = hang
     cfg = loop.parse_config(["--tiny", "--env", "appworld", "--max-context", "4096"])
-    model, tok = loop.load_model_and_tokenizer(cfg, "cpu")
+    model, tok = loop.load_model_and_tokenizer(cfg)
     envs = [loop.AppWorldEnv(task, 30.0, "pytest-interrupted") for task in ("5a0f1c2_1", "9d3e7b4_1")]
     try:
         loop.rollout(model, loop.Chat(tok), envs, ["5a0f1c2_1", "9d3e7b4_1"], cfg, 1.0, 2)
@@ -2336,13 +2180,11 @@ def sampled_and_scored(model, chat, envs, cfg):
         out = original(**kwargs)
         calls[-1] = (calls[-1], torch.log_softmax(torch.stack(out.scores, 1).float(), -1))
         return out.sequences
-    loop.generate, model.generate = recording, with_scores
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "generate", recording)
+        mp.setattr(model, "generate", with_scores)
         episodes = loop.rollout(model, chat, envs, ["x"] * len(envs), cfg, 1.0, 8)
-    finally:
-        loop.generate = generate
-        del model.generate
-    ids, attn, _, _ = loop.pad_batch(episodes, "cpu")
+    ids, attn, _, _ = loop.pad_batch(episodes)
     with torch.no_grad():
         scored = loop.token_logprobs(model, ids, attn, 1.0)
     row_of = {id(e.ids): i for i, e in enumerate(episodes)}
@@ -2381,7 +2223,7 @@ def test_what_generation_sampled_is_what_the_update_scores(name, tmp_path):
     gives the finished episode."""
     cfg = loop.parse_config(["--env", "tiny", "--model", make_family_model(name, tmp_path),
                              "--max-new-tokens", "10", "--batch-episodes", "3"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     chat = loop.Chat(tok, model.generation_config.eos_token_id)
     chat.stop_ids = _frequent_stops(chat, 0.1, seed=0)
     torch.manual_seed(0)
@@ -2397,12 +2239,12 @@ def _sampling_worker(out, *folders):
     after a token or two and rank 1's running to 10 tokens (rank 0 joins its synced passes), and
     rank 1 playing a second wave while rank 0 has none. Writes each rank's worst difference."""
     import torch.distributed as dist
-    dist.init_process_group("gloo")
-    rank, result = dist.get_rank(), {}
+    loop.start_distributed()
+    rank, result = loop.RANK, {}
     for folder in folders:
         cfg = loop.parse_config(["--env", "tiny", "--model", folder, "--fsdp", "--max-new-tokens", "10",
                                  "--batch-episodes", "2"])
-        model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+        model, tok = loop.load_model_and_tokenizer(cfg)
         chat = loop.Chat(tok, model.generation_config.eos_token_id)
         chat.stop_ids = _frequent_stops(chat, 0.5 if rank == 0 else 0.0, seed=rank)
         torch.manual_seed(rank)
@@ -2454,7 +2296,7 @@ UPDATE_FLAGS = ["--tiny", "--epochs", "1", "--minibatch-size", "8", "--micro-bat
 
 def _model_and_adamw(lora, fsdp=False, flags=()):
     cfg = loop.parse_config(UPDATE_FLAGS + (["--lora"] if lora else []) + (["--fsdp"] if fsdp else []) + list(flags))
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     # eps = 1: Adam's first step is then smooth in the gradient (with the default eps it is
     # lr * sign(g), which flips for gradients that are zero up to the order of a reduction)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, eps=1.0)
@@ -2468,7 +2310,7 @@ def _update_once(lora, fsdp=False, rollout_first=False):
     eps, adv = _synthetic_episodes(loop.Chat(tok))
     if rollout_first:
         loop.rollout(model, loop.Chat(tok), [_Scripted(2)], ["x"], cfg, 1.0, 2)
-    rank, world = loop.rank_world()
+    rank, world = (loop.RANK, loop.WORLD)
     mine = list(range(rank, len(eps), world))  # whole rollouts per rank, as tasks are split
     stats = loop.update(model, opt, [eps[i] for i in mine], adv[mine], cfg)
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
@@ -2499,8 +2341,8 @@ def _fsdp_worker(out):
     updated model and its full state, uneven rollouts, and an evaluation gathered from both ranks."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    loop.start_distributed()
+    rank = loop.RANK
     result = {"lora": _update_once(True, fsdp=True)[0]}
     result["after_rollout"] = _update_once(False, fsdp=True, rollout_first=True)[0]
     result["lora_after_rollout"] = _update_once(True, fsdp=True, rollout_first=True)[0]
@@ -2512,7 +2354,7 @@ def _fsdp_worker(out):
     if rank == 0:
         torch.save({"model": full[0], "optim": full[1]}, os.path.join(folder, "full_state.pt"))
     cfg = loop.parse_config(["--tiny", "--fsdp", "--lora", "--bf16", "--batch-episodes", "2", "--max-new-tokens", "6"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     chat = loop.Chat(tok)
     turns = [1] if rank == 0 else [4, 2, 3]  # rank 0 is done after one turn; rank 1 needs two batches per turn
     eps = loop.rollout(model, chat, [_Scripted(n) for n in turns], ["x"] * len(turns), cfg, 1.0, 6)
@@ -2547,7 +2389,7 @@ def _count_all_gathers_in_rollouts():
     for flags in ([], ["--rollout-full-weights"]):
         for tokens in (4, 16):
             cfg = loop.parse_config(["--tiny", "--fsdp", "--max-new-tokens", str(tokens), *flags])
-            model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+            model, tok = loop.load_model_and_tokenizer(cfg)
             chat = loop.Chat(tok)
             chat.stop_ids = [len(tok)]  # every turn samples all its tokens
             gathers[0] = 0
@@ -2625,10 +2467,10 @@ def _one_read_worker(out, folder, *flags):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     loop.start_distributed()
-    rank = loop.rank_world()[0]
-    loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]), "cpu")  # imports done
+    rank = loop.RANK
+    loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]))  # imports done
     before = _rss_mb()
-    model, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]), "cpu")
+    model, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
     growth = _rss_mb("VmHWM") - before
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # (cpu_offload: rank 0 alone holds the gathered weights)
@@ -2665,7 +2507,7 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
     assert 400 < size_mb < 600
     if not flags:  # (bf16 halves it: then the allocator's ~80 MB of slack would decide)
         assert got["growth_mb"] < 0.75 * size_mb, got["growth_mb"]  # measured 310; before, 500
-    single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]), "cpu")
+    single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]))
     expected = single.state_dict()
     assert got["parameters"] == len(list(single.parameters()))  # the embedding is still the head
     assert got["weights"].keys() == expected.keys()
@@ -2725,11 +2567,10 @@ def test_a_run_whose_wave_cannot_fit_the_gpu_stops_before_its_first_rollout(qwen
     directory. The wave it checks is what a rollout plays: --tiny's 6 tasks x 12 rollouts, at most
     --batch-episodes; an evaluation-only run its 27 test tasks."""
     from transformers import AutoTokenizer
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(loop, "DEVICE", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (2**30, int(80e9)))
     tok = AutoTokenizer.from_pretrained(SHIPPED)
-    monkeypatch.setattr(loop, "load_model_and_tokenizer", lambda cfg, device: (qwen32b, tok))
+    monkeypatch.setattr(loop, "load_model_and_tokenizer", lambda cfg: (qwen32b, tok))
     monkeypatch.setattr(loop, "rollout", None)  # a rollout would raise: 'NoneType' is not callable
     with pytest.raises(SystemExit) as stop:
         loop.main(["--tiny", *flags, "--out", str(tmp_path / "run")])
@@ -2740,7 +2581,7 @@ def test_a_run_whose_wave_cannot_fit_the_gpu_stops_before_its_first_rollout(qwen
 def test_micro_batches_accumulate_to_the_minibatch_gradient():
     import copy
     cfg = loop.parse_config(["--tiny", "--epochs", "1", "--minibatch-size", "8", "--lr", "1e-3"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     eps, adv = _synthetic_episodes(loop.Chat(tok))
     results = []
     for micro in (1, 3, 8, 16):  # 16 > minibatch: one pass then holds the whole minibatch
@@ -2765,7 +2606,7 @@ def test_the_gradient_clip_decides_the_size_of_a_large_step():
     """SGD at lr 1: the step is the clipped gradient, of norm grad_clip, while the gradient itself
     (grad_norm is logged before clipping) is far larger."""
     cfg = loop.parse_config(UPDATE_FLAGS + ["--grad-clip", "0.001"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     eps, adv = _synthetic_episodes(loop.Chat(tok))
     before = [p.detach().clone() for p in model.parameters()]
     stats = loop.update(model, torch.optim.SGD(model.parameters(), lr=1.0), eps, adv, cfg)
@@ -2778,7 +2619,7 @@ def test_the_empty_pass_of_a_rank_without_rollouts_is_valid_for_every_ratio(kind
     """Under FSDP a rank that has run out of kept rollouts runs an empty pass to join the others'
     collectives: it must give a zero loss and no gradient for every ratio (--ratio turn raised)."""
     cfg = loop.parse_config(UPDATE_FLAGS + ["--ratio", kind])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     totals = loop.minibatch_backward(model, [], [[]], {}, torch.zeros(0), cfg)
     assert totals == [0.0, 0.0, 0, 0]
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
@@ -2789,7 +2630,7 @@ def _one_minibatch_twice():
     model after 1 epoch (one SGD step)."""
     import copy
     cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--micro-batch-size", "8"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     eps, adv = _synthetic_episodes(loop.Chat(tok))
     one_step = copy.deepcopy(model)
     loop.update(one_step, torch.optim.SGD(one_step.parameters(), lr=0.1), eps, adv, dataclasses.replace(cfg, epochs=1))
@@ -2838,7 +2679,7 @@ def test_a_minibatch_whose_loss_is_not_finite_moves_no_weight(monkeypatch):
 
 def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     cfg = loop.parse_config(["--tiny", "--lora", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "8"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -2882,12 +2723,12 @@ def quick():
 
 def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path):
     cfg = loop.parse_config(quick())
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows = [loop.train_iteration(model, opt, loop.Chat(tok), cfg, tiny_world.TinyWorld.tasks("train"), it) for it in (1, 2)]
     assert sum(r["steps"] for r in rows) > 0 and opt.state
     loop.save_checkpoint(str(tmp_path), model, opt, 2)
-    fresh, _ = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))  # the weights before training
+    fresh, _ = loop.load_model_and_tokenizer(cfg)  # the weights before training
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     path, iteration = loop.last_checkpoint(str(tmp_path))
     loop.load_checkpoint(path, fresh, fresh_opt)

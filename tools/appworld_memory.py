@@ -25,9 +25,10 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_root(folder, tasks):
-    """The tests' data root, its 3 tasks copied to `tasks` tasks of a split named "big"."""
-    code = f"import test_loop; test_loop.build_appworld_root({folder!r})"
-    made = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
+    """The small data root of appworld_root.py, its 3 tasks copied to `tasks` tasks of a split
+    named "big"."""
+    builder = os.path.join(HERE, "tools", "appworld_root.py")
+    made = subprocess.run([sys.executable, builder, folder], capture_output=True, text=True)
     if made.returncode:
         sys.exit(f"the data root was not built: {made.stderr[-2000:]}")
     data = os.path.join(folder, "data")

@@ -4,15 +4,14 @@
 
 Each iteration creates one AppWorld env per episode (tasks of the split in turn) and plays one
 turn with the tiny model; what is timed is the wait for the worlds, up to the first generation.
-It needs AppWorld data under $APPWORLD_ROOT: `appworld download data`, or offline the tests' small
-root: python -c "import test_loop; test_loop.build_appworld_root('/tmp/awroot')" (split fixture).
+It needs AppWorld data under $APPWORLD_ROOT: `appworld download data`, or offline the small root
+of `python tools/appworld_root.py /tmp/awroot` (split fixture).
 """
 import argparse
 import os
 import sys
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loop  # noqa: E402
@@ -27,7 +26,7 @@ def main(argv):
     args = parser.parse_args(argv)
     cfg = loop.parse_config(["--tiny", "--env", "appworld", "--max-new-tokens", "4",
                              "--max-context", "4096"])
-    model, tok = loop.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model, tok = loop.load_model_and_tokenizer(cfg)
     chat = loop.Chat(tok, model.generation_config.eos_token_id)
     tasks = loop.AppWorldEnv.tasks(args.split)
     tasks = [tasks[i % len(tasks)] for i in range(args.episodes)]

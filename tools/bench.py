@@ -78,7 +78,7 @@ def logprob_workload(chunk, device):
 def training_workloads(cfg, device):
     """A LOOP update and a plain fine-tuning step on the same 8 rollouts of 512 tokens (4 turns:
     64 context tokens, then 64 sampled ones), and the model and chat they use."""
-    model, tok = loop.load_model_and_tokenizer(cfg, device)
+    model, tok = loop.load_model_and_tokenizer(cfg)
     chat = loop.Chat(tok, model.generation_config.eos_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     is_output = [t % 128 >= 64 for t in range(512)]

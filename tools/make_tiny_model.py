@@ -191,7 +191,7 @@ def demo_episode(rng, chat, cfg):
 @torch.no_grad()
 def copied(model, episodes):
     """The share of episodes whose every output token is the model's greedy choice."""
-    ids, attn, is_output, _ = loop.pad_batch(episodes, next(model.parameters()).device)
+    ids, attn, is_output, _ = loop.pad_batch(episodes)
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
     wrong = (logits.argmax(-1) != ids[:, 1:]) & is_output[:, 1:]
     return (~wrong.any(1)).float().mean().item()
@@ -200,7 +200,7 @@ def copied(model, episodes):
 def sft_step(model, opt, episodes, grad_clip):
     """One supervised step on the mean log-likelihood of the output tokens (the warm-up, and the
     fine-tuning baseline that tools/bench.py holds the LOOP update against); returns the loss."""
-    ids, attn, is_output, _ = loop.pad_batch(episodes, next(model.parameters()).device)
+    ids, attn, is_output, _ = loop.pad_batch(episodes)
     mask = (is_output[:, 1:] & attn[:, 1:].bool()).float()
     opt.zero_grad(set_to_none=True)
     loss = -(loop.token_logprobs(model, ids, attn, 1.0) * mask).sum() / mask.sum()

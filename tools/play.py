@@ -31,11 +31,10 @@ def main(argv):
     unknown = [task for task in args.task if task not in known]
     if unknown:
         loop.die(f"no task {unknown[0]!r} in the {cfg.split} or {cfg.train_split} split")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = loop.load_model_and_tokenizer(cfg, device)
+    model, tok = loop.load_model_and_tokenizer(cfg)
     chat = loop.chat_of(model, tok)
     envs = [env(task, cfg.code_timeout, "loop-play") for task in args.task]
-    with torch.autocast(device.type, torch.bfloat16, enabled=cfg.bf16):
+    with torch.autocast(loop.DEVICE.type, torch.bfloat16, enabled=cfg.bf16):
         episodes = loop.rollout(model, chat, envs, args.task, cfg, cfg.eval_temperature,
                                 cfg.eval_max_turns, desc="play")
     for e in episodes:
