@@ -241,10 +241,13 @@ def load_pretrained(cfg):
             "Hugging Face hub (a private one needs `hf auth login`)")
     except LocalEntryNotFoundError as e:  # offline, no DNS, a proxy, a timeout: its text says
         die(f"model {cfg.model} is no directory here and not in the local Hugging Face cache, and "
-            f"the hub cannot be reached ({str(e).strip().partition(chr(10))[0]}): download it "
+            f"the hub cannot be reached ({first_line(e)}): download it "
             f"where there is internet (`hf download {cfg.model}`), or give its directory")
     except (OSError, ValueError) as e:  # a directory with no model, a gated or broken download
-        die(f"cannot load model {cfg.model}: {str(e).strip().partition(chr(10))[0] or repr(e)}")
+        die(f"cannot load model {cfg.model}: {first_line(e)}")
+
+def first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 def from_pretrained(path, cfg):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -252,8 +255,8 @@ def from_pretrained(path, cfg):
     # AutoTokenizer gives a qwen2 (or phi3) model that family's pre-tokenizer, whatever its
     # tokenizer.json says: one saved as TokenizersBackend (the tiny model's) loads as itself
     saved = pathlib.Path(path, "tokenizer_config.json")
-    exact = saved.exists() and json.loads(saved.read_text()).get("tokenizer_class")
-    tokenizer = PreTrainedTokenizerFast if exact == "TokenizersBackend" else AutoTokenizer
+    saved_class = saved.exists() and json.loads(saved.read_text()).get("tokenizer_class")
+    tokenizer = PreTrainedTokenizerFast if saved_class == "TokenizersBackend" else AutoTokenizer
     tok = tokenizer.from_pretrained(path, padding_side="left")
     tok.pad_token = tok.pad_token or tok.eos_token
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # on the host: half the memory per rank
@@ -319,8 +322,10 @@ def shard(model, cfg, layer_names):
     # and head) one tensor, where loading into meta ones would untie them
     if RANK > 0:
         model.to_empty(device=DEVICE)
+    else:
+        model.to(DEVICE)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model.to(DEVICE), weights, options=options)
+    set_model_state_dict(model, weights, options=options)
     for buffer in model.buffers():  # buffers in no state dict (RoPE's inv_freq): rank 0's
         dist.broadcast(buffer, src=0)
 
@@ -885,8 +890,6 @@ def update(model, opt, episodes, advantages, cfg):
     return stats
 
 
-
-
 # 8. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
 def scenario(task_id):
     """A task's scenario: its id up to "_" (the environment interface's "<scenario>_<n>")."""
@@ -1024,11 +1027,12 @@ class Log:
 
     def __init__(self, cfg, run_dir):
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        names = cfg.track.split(",")
         self.tensorboard = self.wandb = None
-        if "tensorboard" in cfg.track.split(","):
+        if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        if "wandb" in cfg.track.split(","):
+        if "wandb" in names:
             import wandb
             configured = os.environ.get("WANDB_MODE") or wandb.api.api_key  # else offline
             self.wandb = wandb.init(project="loop", dir=run_dir, config=dataclasses.asdict(cfg),
