@@ -26,9 +26,7 @@ import sys
 import threading
 import time
 import types
-import typing
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,7 +42,7 @@ def setting(default, doc):
     """A field with its one-line help kept at run time (--help needs no source file)."""
     return dataclasses.field(default=default, metadata={"doc": doc})
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     # the run
     env: str = setting("appworld", "appworld, or tiny: an offline miniature of AppWorld.")
@@ -52,13 +50,11 @@ class Config:
     seed: int = setting(0, "Seed for Python, torch and task sampling.")
     out: str = setting("", "Run directory of metrics, transcripts, weights (default runs/<time>).")
     resume: str = setting("", "Run directory to continue from its last complete checkpoint.")
-    iterations: int = setting(200,
-        "Training iterations (reference code: 200); 0 = evaluate and save the model only.")
+    iterations: int = setting(200, "Training iterations (reference code: 200); 0: evaluate only.")
     train_split: str = setting("train", "Split the training tasks come from.")
     split: str = setting("test", "Split that evaluation reports TGC/SGC on.")
     eval: bool = setting(False, "Only evaluate `split`, no training.")
-    eval_every: int = setting(10,
-        "Evaluate every this many iterations (and before the first and after the last).")
+    eval_every: int = setting(10, "Iterations between evaluations (also at the first and last).")
     track: str = setting("", "Also log metrics to tensorboard, wandb, or both (tensorboard,wandb).")
     # the paper's hyper-parameters
     tasks_per_iteration: int = setting(40, "N: tasks sampled per iteration (paper: 40).")
@@ -68,118 +64,97 @@ class Config:
     grad_clip: float = setting(1.0, "Gradient-norm clip (paper: 1.0; reference code: 0.1).")
     epochs: int = setting(2, "Passes over an iteration's rollouts (paper: 2).")
     minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32).")
-    clip_eps: float = setting(0.1,
-        "Ratio clipped to [1/(1+eps), 1+eps] as in the reference code (paper: [1-eps, 1+eps]).")
-    ratio: str = setting("token",
-        "Importance ratio: token (LOOP, Eq. 5), turn, trajectory, or none (on-policy RLOO).")
-    normalize_rewards: bool = setting(False,
-        "Divide advantages by the group's reward std (the paper's RwNorm variant; off in LOOP).")
+    clip_eps: float = setting(0.1, "Ratio clip [1/(1+eps), 1+eps] (paper: [1-eps, 1+eps]).")
+    ratio: str = setting("token", "Importance ratio: token (Eq. 5), turn, trajectory, none (RLOO).")
+    normalize_rewards: bool = setting(False, "Divide each A by its group's std (RwNorm, not LOOP).")
     min_abs_advantage: float = setting(0.01, "Rollouts with |A| below this are dropped: no signal.")
-    max_kl: float = setting(20.0,
-        "Abandon the rest of an iteration when |KL estimate| of a minibatch exceeds this.")
+    max_kl: float = setting(20.0, "Abandon an iteration at a minibatch whose |KL| is above this.")
     # rollouts
     max_turns: int = setting(40, "Turns per training episode (paper: 40).")
     eval_max_turns: int = setting(50, "Turns per evaluation episode (paper: 50).")
     max_new_tokens: int = setting(1500, "Tokens the policy may sample per turn (paper: 1500).")
-    max_context: int = setting(32768,
-        "Episode length cap in tokens; the episode ends when the next turn would not fit.")
+    max_context: int = setting(32768, "Tokens an episode may hold: it ends at this cap.")
     max_obs_tokens: int = setting(3000, "Observations are cut at this many tokens, with a note.")
     code_timeout: float = setting(30.0, "Seconds the agent's code may run per turn.")
-    temperature: float = setting(1.0,
-        "Sampling temperature for training rollouts; log-probs are scored at the same one.")
+    temperature: float = setting(1.0, "Temperature of training rollouts, and of their scoring.")
     eval_temperature: float = setting(0.0, "Sampling temperature for evaluation (0 = greedy).")
-    batch_episodes: int = setting(6,
-        "Episodes played together per rank: their worlds, KV cache (32B: 8.6 GB each at 32k).")
+    batch_episodes: int = setting(6, "Episodes played at once per rank (32B: 8.6 GB of KV each).")
     # systems: memory and GPUs
     micro_batch_size: int = setting(4, "Rollouts per forward/backward pass; gradients accumulate.")
     logprob_chunk: int = setting(512, "Positions per chunk of the update's vocabulary projection.")
     fsdp: bool = setting(False, "Shard weights, gradients and AdamW state (FSDP2, torchrun).")
-    rollout_full_weights: bool = setting(False,
-        "FSDP: gather each layer once per rollout, not per token (costs the full weights per GPU).")
-    bf16: bool = setting(False,
-        "bf16 compute; weights, gradients and optimizer state stay fp32 (a LoRA base stays bf16).")
+    rollout_full_weights: bool = setting(False, "FSDP: keep layers gathered through a rollout.")
+    bf16: bool = setting(False, "bf16 compute; weights, AdamW state stay fp32 (a LoRA base: bf16).")
     activation_checkpointing: bool = setting(False, "Recompute each decoder layer in backward.")
-    lora: bool = setting(False,
-        "Train the paper's LoRA adapter (rank 16, alpha 32, all projections), not all weights.")
+    lora: bool = setting(False, "Train the paper's LoRA (rank 16, alpha 32), not all the weights.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(HERE, "tiny_config.json")
 AT_LEAST = {"iterations": 0, "rollouts_per_task": 2, "weight_decay": 0, "min_abs_advantage": 0,
-            "eval_temperature": 0}
-"""The lowest value of the numeric settings that may reach it; all others but seed must be > 0."""
-RATIOS = ("token", "turn", "trajectory", "none")
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb<0.19"}
-"""--track's loggers, each with what to install (wandb 0.19 on needs pydantic 2, appworld 1)."""
+            "eval_temperature": 0}  # the other numbers but seed must be > 0
+RATIOS = ["token", "turn", "trajectory", "none"]  # --ratio: LOOP, and the paper's variants
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb<0.19"}  # (later wandb: pydantic 2)
 
 def die(message):
     """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
+def flag(name):
+    return "--" + name.replace("_", "-")
+
 def parse_config(argv):
-    """Defaults <- tiny_config.json (--tiny) <- --config FILE (or the resumed run's) <- flags."""
-    hints = typing.get_type_hints(Config)
+    """Defaults <- tiny_config.json (--tiny) <- --config FILE (or the resumed run's) <- flags.
+    A file's settings are read as the flags they name: one parser checks every layer."""
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,  # --iteration: no
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.error = lambda message: die(f"{message} (see --help)")  # one line, not the usage
     parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
     parser.add_argument("--tiny", action="store_true", help="the settings of tiny_config.json")
+    choices = {"env": list(ENVS), "ratio": RATIOS}
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
+        kind.update({"choices": choices[f.name]} if f.name in choices else {})
         doc = f.metadata["doc"] + (f" (default: {f.default})" if f.default != "" else "")
-        if hints[f.name] is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=doc)
-        else:
-            parser.add_argument(flag, type=hints[f.name], help=doc)
+        parser.add_argument(flag(f.name), **kind, help=doc)
+    where = ""  # the file whose settings are being read
+    parser.error = lambda message: die(f"{message}{where} (see --help)")  # one line, no usage
     args = parser.parse_args(argv)
-    values = {}
     if args.resume and (args.tiny or args.config):
-        die("--resume continues with the settings of the run it resumes; change them with flags, "
-            "not --tiny or --config")
-    if args.resume:
-        values = read_config_file(os.path.join(args.resume, "config.json"), hints)
-        for key in ("model", "lora"):  # a checkpoint's tensors depend on them: refused up front
-            if getattr(args, key) not in (None, values[key]):
-                die(f"--{key} cannot change when resuming: {args.resume}'s checkpoint holds "
-                    f"the weights of {key} = {values[key]!r}; start a new run for another")
-    if args.tiny:
-        values = read_config_file(TINY_CONFIG, hints)
-    if args.config:
-        values.update(read_config_file(args.config, hints))
-    values.update({k: v for k, v in vars(args).items() if k in hints and v is not None})
-    cfg = Config(**values)
+        die("--resume continues with the settings of the run it resumes: change them with flags")
+    files = [TINY_CONFIG] * args.tiny + [args.config] * bool(args.config)
+    flags = []
+    for path in [os.path.join(args.resume, "config.json")] if args.resume else files:
+        flags += read_settings(path)
+        where = f" in {path}"
+        saved = parser.parse_args(flags)
+    where = ""
+    for key in ("model", "lora") if args.resume else ():  # they fix the checkpoint's tensors
+        if getattr(args, key) not in (None, getattr(saved, key)):
+            die(f"--{key} cannot change when resuming: {args.resume}'s checkpoint holds the "
+                f"weights of {key} = {getattr(saved, key)!r}; start a new run for another")
+    given = vars(parser.parse_args(flags + argv))  # the flags given come last: they win
+    cfg = Config(**{k: given[k] for k in Config.__annotations__ if given[k] is not None})
     check_config(cfg)
     return cfg
 
-def read_config_file(path, hints):
-    """A JSON object of settings; an unreadable file, an unknown key or a wrong type stops here.
-    A model path is taken relative to the file (tiny_config.json's assets/tiny-model)."""
+def read_settings(path):
+    """A JSON object of settings as flags; a model directory is found beside the file."""
     try:
         values = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         die(f"cannot read config {path}: {e}")
     if not isinstance(values, dict):
         die(f"config {path} must hold one JSON object of settings")
-    for key, value in values.items():
-        if key not in hints:
-            die(f"unknown key {key!r} in {path}; valid keys: {', '.join(hints)}")
-        kind = hints[key]
-        # JSON has one number type, so an int is a valid float; a bool is an int to Python, not here
-        allowed = (int, float) if kind is float else kind
-        if isinstance(value, bool) != (kind is bool) or not isinstance(value, allowed):
-            die(f"{key!r} in {path} must be {kind.__name__}, got {value!r}")
-    beside = os.path.join(os.path.dirname(os.path.abspath(path)), values.get("model", ""))
-    if "model" in values and os.path.isdir(beside):
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), str(values.get("model", "")))
+    if "model" in values and os.path.isdir(beside):  # tiny_config.json's assets/tiny-model
         values["model"] = os.path.normpath(beside)
-    return values
+    # a bool is a switch (--lora, --no-lora); any other value is the text of a flag's argument
+    return [(flag(k) if v else flag("no_" + k)) if isinstance(v, bool) else f"{flag(k)}={v}"
+            for k, v in values.items()]
 
 def check_config(cfg):
     """Every setting checked before any work starts: a 0 would divide by zero or train nothing."""
-    if cfg.env not in ENVS:
-        die(f"--env must be one of {', '.join(ENVS)}, got {cfg.env!r}")
-    if cfg.ratio not in RATIOS:
-        die(f"--ratio must be one of {', '.join(RATIOS)}, got {cfg.ratio!r}")
-    for name in filter(None, cfg.track.split(",")):  # now, not when the first row is logged
+    for name in filter(None, cfg.track.split(",")):
         if name not in TRACKERS:
             die(f"--track takes {' or '.join(TRACKERS)} or both (comma-separated), not {name!r}")
         if importlib.util.find_spec(name) is None:
@@ -188,11 +163,10 @@ def check_config(cfg):
         value = getattr(cfg, f.name)
         if f.type not in (int, float) or f.name == "seed":
             continue
-        flag = "--" + f.name.replace("_", "-")
         if f.name in AT_LEAST and not value >= AT_LEAST[f.name]:
-            die(f"{flag} must be >= {AT_LEAST[f.name]}, got {value}")
+            die(f"{flag(f.name)} must be >= {AT_LEAST[f.name]}, got {value}")
         if f.name not in AT_LEAST and not value > 0:
-            die(f"{flag} must be {'>= 1' if f.type is int else '> 0'}, got {value}")
+            die(f"{flag(f.name)} must be {'>= 1' if f.type is int else '> 0'}, got {value}")
 
 
 # 2. The model: FSDP2 shards, bf16, LoRA, activation checkpointing, a chunked log-prob head
@@ -221,9 +195,7 @@ def all_reduce(values, op=dist.ReduceOp.SUM):
 def load_pretrained(cfg):
     """A local directory (a run's model/ too) or a Hugging Face id, from the cache, else the hub.
     A model that cannot load stops the run with one line that says why."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    from huggingface_hub.errors import RepositoryNotFoundError
+    from huggingface_hub import errors, snapshot_download
     path = os.path.expanduser(cfg.model)
     if os.path.exists(os.path.join(path, "metrics.jsonl")):  # `--model runs/x`
         die(f"{cfg.model} is a run directory: its trained model is {os.path.join(path, 'model')}")
@@ -231,18 +203,16 @@ def load_pretrained(cfg):
         if not os.path.isdir(path):  # by id, from_pretrained would ask the hub about every file
             try:
                 path = snapshot_download(cfg.model, local_files_only=True)
-            except LocalEntryNotFoundError:  # not in the cache: download it
+            except errors.LocalEntryNotFoundError:  # not in the cache: download it
                 path = snapshot_download(cfg.model)
         return from_pretrained(path, cfg)
-    except HFValidationError:  # not of the form name or owner/name
+    except errors.HFValidationError:  # not of the form name or owner/name
         die(f"there is no directory {cfg.model}: give a model directory or a Hugging Face id")
-    except RepositoryNotFoundError:
-        die(f"model {cfg.model} does not exist: it is no directory here and no model on the "
-            "Hugging Face hub (a private one needs `hf auth login`)")
-    except LocalEntryNotFoundError as e:  # offline, no DNS, a proxy, a timeout: its text says
-        die(f"model {cfg.model} is no directory here and not in the local Hugging Face cache, and "
-            f"the hub cannot be reached ({first_line(e)}): download it "
-            f"where there is internet (`hf download {cfg.model}`), or give its directory")
+    except errors.RepositoryNotFoundError:
+        die(f"model {cfg.model} does not exist, here or on the hub (a private one: hf auth login)")
+    except errors.LocalEntryNotFoundError as e:  # offline, no DNS, a proxy: its text says which
+        die(f"model {cfg.model} is not in the local Hugging Face cache, and the hub cannot be "
+            f"reached ({first_line(e)}): `hf download {cfg.model}` where there is internet")
     except (OSError, ValueError) as e:  # a directory with no model, a gated or broken download
         die(f"cannot load model {cfg.model}: {first_line(e)}")
 
@@ -293,7 +263,7 @@ def load_model_and_tokenizer(cfg):
     return (model if cfg.lora else model.float()), tok
 
 def chat_of(model, tok):
-    """The model's Chat, stopping on its generation_config's eos ids too; a template that cannot
+    """The model's Chat, which also stops on generation_config's eos ids; a template that cannot
     serve stops the run with one line that says why."""
     try:
         chat = Chat(tok, model.generation_config.eos_token_id)
@@ -305,8 +275,8 @@ def chat_of(model, tok):
 
 def shard(model, cfg, layer_names):
     """FSDP2: each rank keeps 1/G of every tensor; a decoder layer is gathered only to compute.
-    Rank 0 holds the weights read from disk and sends each rank its shards (the others' models
-    are on the meta device), so the host holds the whole model once, not once per rank."""
+    Rank 0 sends each rank its shards of the weights it read (the others are on the meta device):
+    the host holds the model once, not once per rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     weights = model.state_dict() if RANK == 0 else {}
@@ -318,8 +288,8 @@ def shard(model, cfg, layer_names):
             fully_shard(module, mp_policy=policy)
     # the root is the HF model inside peft's wrapper: generate() calls it without the wrapper
     fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
-    # a meta rank's shards get memory in place: FSDP keeps tied weights (Qwen2.5-0.5B's embedding
-    # and head) one tensor, where loading into meta ones would untie them
+    # memory in place: tied weights (embedding and head) stay one tensor, which loading into meta
+    # parameters would split
     if RANK > 0:
         model.to_empty(device=DEVICE)
     else:
@@ -330,27 +300,25 @@ def shard(model, cfg, layer_names):
         dist.broadcast(buffer, src=0)
 
 def chunked_logprob_head(head, chunk):
-    """While `head.targets` is set, the LM head returns log p(target) per position, `chunk`
-    positions at a time, each recomputed in backward: the [tokens x vocab] logits (19 GB for 32k
-    tokens of Qwen's vocabulary) never exist. Inside forward, FSDP has the head gathered."""
-    head.targets = None
-    head.temperature = 1.0
-    head.softcap = None
+    """While `head.scoring` is (targets, temperature, softcap), the LM head returns log p(target)
+    per position, `chunk` positions at a time, each recomputed in backward: the [tokens x vocab]
+    logits (19 GB for 32k tokens of Qwen's vocabulary) never exist. FSDP has the head gathered."""
+    head.scoring = None
     head.chunk = chunk
     head.forward = types.MethodType(logprob_head_forward, head)  # a bound method survives deepcopy
 
 def logprob_head_forward(self, hidden):
-    if self.targets is None:
+    if self.scoring is None:
         return F.linear(hidden, self.weight, self.bias)
-    targets = self.targets.reshape(-1)
-    hidden = hidden[:, :self.targets.shape[1]].reshape(len(targets), -1)
+    targets, temperature, softcap = self.scoring
+    hidden = hidden[:, :targets.shape[1]].reshape(targets.numel(), -1)
     pieces = []
-    for s in range(0, len(targets), self.chunk):
+    for s in range(0, targets.numel(), self.chunk):
         piece = torch.utils.checkpoint.checkpoint(
             logprob_piece, hidden[s:s + self.chunk], self.weight, self.bias,
-            targets[s:s + self.chunk], self.temperature, self.softcap, use_reentrant=False)
+            targets.reshape(-1)[s:s + self.chunk], temperature, softcap, use_reentrant=False)
         pieces.append(piece)
-    return torch.cat(pieces).view(self.targets.shape)
+    return torch.cat(pieces).view(targets.shape)
 
 def logprob_piece(hidden, weight, bias, targets, temperature, softcap):
     logits = F.linear(hidden, weight, bias).float()
@@ -401,10 +369,9 @@ def appworld_worker(conn):
             conn.send((tracker.pass_count, tracker.num_tests))
 
 class AppWorldEnv:
-    """The real AppWorld (appworld package). An episode's world lives in a worker process from its
-    wave's start (messages()) to its evaluation, then the worker waits in `idle` for a world of
-    the next wave: a rank runs one wave's workers. A world that dies or hangs fails its episode
-    (an infrastructure failure, not a reward) and training goes on."""
+    """The real AppWorld. An episode's world lives in a worker process from its wave's start
+    (messages()) to its evaluation, then the worker waits in `idle` for the next wave's. A world
+    that dies or hangs fails its episode (an infrastructure failure, not a reward)."""
 
     PROMPT = pathlib.Path(HERE, "assets", "appworld_prompt.txt").read_text().strip()  # ReAct-style
     DOCS_CALL, ERROR_PREFIX = "apis.api_docs.", "Execution failed"  # for the behaviour shares
@@ -464,8 +431,7 @@ class AppWorldEnv:
         return worker, conn
 
     def call(self, message, wait):
-        """Send `message` and wait up to `wait` s for the answer; None if the worker died or hung,
-        which ends the episode."""
+        """The answer to `message` within `wait` s, or None: the worker died or hung."""
         try:
             self.conn.send(message)
             if self.conn.poll(wait):
@@ -511,14 +477,15 @@ ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 
 # 4. Rollouts (ALGO LOGIC): the POMDP of paper §4.1. One token sequence per episode; `is_output`
 #    marks the tokens the policy sampled (its actions, stop token included), the rest is context.
-@dataclass(eq=False)
+@dataclasses.dataclass(eq=False)
 class Episode:
     task_id: str
-    env: typing.Any
+    env: object
     ids: list = dataclasses.field(default_factory=list)
     is_output: list = dataclasses.field(default_factory=list)
     turn: list = dataclasses.field(default_factory=list)  # of each sampled token; -1: context
     transcript: list = dataclasses.field(default_factory=list)
+    cap: int = sys.maxsize  # --max-context
     done: bool = False
     reward: float = 0.0
     success: bool = False
@@ -528,15 +495,13 @@ class Episode:
     erred: bool = False  # another: an error observation was met
 
     def add(self, ids, output=False, turn=-1):
+        """ids join the episode as far as its context cap allows, the one place the cap is kept:
+        an episode that reaches it is done, and no id ever lies beyond it."""
+        ids = ids[:self.cap - len(self.ids)]
         self.ids += ids
         self.is_output += [output] * len(ids)
         self.turn += [turn] * len(ids)
-
-def join(e, ids, cfg, output=False, turn=-1):
-    """ids join the episode as far as the context cap allows, the one place it is enforced: an
-    episode that reaches the cap is done, and no id ever lies beyond it."""
-    e.add(ids[:cfg.max_context - len(e.ids)], output, turn)
-    e.done = e.done or len(e.ids) >= cfg.max_context
+        self.done = self.done or len(self.ids) >= self.cap
 
 class WaveCache:
     """A wave's KV cache, carried across its turns: row i (its i-th live episode) holds the first
@@ -549,13 +514,10 @@ class WaveCache:
         self.fed = []
 
     def lay_out(self, rows, lengths):
-        """Lay the cache out anew for the next turn of the episodes in `rows` (now `lengths` ids
-        long), so that no padding lies between an episode's tokens: a sliding window (Gemma,
-        Phi-3, Mistral) counts columns, not tokens. Each row keeps its first tokens, padded in
-        front, and is then fed as many ids as the widest new segment (a few it had cached are
-        recomputed). Gone are the episodes that ended, earlier turns' padding and post-stop tokens,
-        and columns generate wrote past what it returned (synced_gpus: a rank that is done joins
-        the others' passes)."""
+        """Lay the cache out for the next turn of the episodes in `rows` (now `lengths` ids long)
+        with no padding between an episode's tokens (a sliding window counts columns): each row
+        keeps its first tokens, padded in front, and is fed as many ids as the widest new segment.
+        Gone: ended episodes, padding, post-stop tokens, columns of others' synced passes."""
         if self.mask is None:
             return
         index = torch.tensor(rows, device=self.mask.device)
@@ -608,8 +570,9 @@ def start_wave(pairs, chat, cfg):
     """A wave's worlds start together (their messages()); an episode opens with the prompt."""
     wave = []
     for (env, task_id), messages in zip(pairs, concurrently([env.messages for env, _ in pairs])):
-        e = Episode(task_id, env, transcript=list(messages), done=getattr(env, "done", False))
-        join(e, chat.prompt(messages), cfg)  # (done already if its world failed to start)
+        e = Episode(task_id, env, transcript=list(messages), done=getattr(env, "done", False),
+                    cap=cfg.max_context)  # (done already if its world failed to start)
+        e.add(chat.prompt(messages))
         wave.append(e)
     return wave
 
@@ -653,12 +616,12 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
                 kept = [i for i, e in enumerate(rows) if not e.done]
                 cache.lay_out(kept, [len(e.ids) for e in live])
             rows = live
-            # no episode can take more than its room below the cap (join() cuts the others)
+            # no episode can take more than its room below the cap (add() cuts the others)
             room = max((cfg.max_context - len(e.ids) for e in live), default=1)
             prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
             outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room),
                                cache if live else None)
-            codes = [act(e, new, turn, chat, cfg) for e, new in zip(live, outputs)]
+            codes = [act(e, new, turn, chat) for e, new in zip(live, outputs)]
             results = concurrently([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
             for e, output in zip(live, results):
                 observe(e, output, turn == max_turns - 1, chat, cfg)
@@ -675,10 +638,10 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
         layer.set_reshard_after_forward(True, recurse=False)
     return episodes
 
-def act(e, new, turn, chat, cfg):
+def act(e, new, turn, chat):
     """The sampled turn joins the episode as actions; returns the code in what joined."""
     start = len(e.ids)
-    join(e, new, cfg, output=True, turn=turn)
+    e.add(new, output=True, turn=turn)
     # whole turns: characters stay intact; read as the template renders it, after its <think>
     text = chat.reply_start + chat.tok.decode(e.ids[start:], skip_special_tokens=True)
     e.transcript.append({"role": "assistant", "content": text})
@@ -688,26 +651,24 @@ def act(e, new, turn, chat, cfg):
     return code
 
 def concurrently(calls):
-    """The calls run at once, each with its own deadline (AppWorld's worlds are processes), so a
-    slow, endless or hung world holds up no other: k that hang cost one deadline, not k. Their
-    threads are daemons: an interrupt reaches the caller at once, waiting for none of them."""
-    results = [(None, None)] * len(calls)
+    """The calls run at once, each with its own deadline, so a hung world holds up no other; their
+    threads are daemons, so an interrupt reaches the caller at once."""
+    results, errors = [None] * len(calls), []
 
     def run(i):
         try:
-            results[i] = (calls[i](), None)
+            results[i] = calls[i]()
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            results[i] = (None, e)
+            errors.append(e)
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    for _, error in results:
-        if error is not None:
-            raise error
-    return [value for value, _ in results]
+    if errors:
+        raise errors[0]
+    return results
 
 def observe(e, output, last_turn, chat, cfg):
     """The environment's output joins the episode as context, between the template's separators."""
@@ -718,7 +679,7 @@ def observe(e, output, last_turn, chat, cfg):
     e.done = e.done or getattr(e.env, "done", False) or last_turn
     if not e.done:
         closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
-        join(e, closing + chat.observation(observation), cfg)
+        e.add(closing + chat.observation(observation))
 
 
 # 5. Leave-one-out advantages (ALGO LOGIC, Eq. 3)
@@ -784,19 +745,18 @@ def pad_batch(episodes):
 def token_logprobs(model, ids, attn, temperature):
     """log p(x_t | x_<t) of each next token [B, T-1] at the sampling temperature, in chunks."""
     head = model.get_output_embeddings()
-    head.targets = ids[:, 1:]
-    head.temperature = max(temperature, 1e-6)
     # forward would cap what the head returns, log p: the head caps the logits instead
     config = model.config.get_text_config()
-    head.softcap = getattr(config, "final_logit_softcapping", None)
-    if head.softcap:
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
         config.final_logit_softcapping = None
+    head.scoring = (ids[:, 1:], max(temperature, 1e-6), softcap)
     try:
         return model(input_ids=ids, attention_mask=attn, use_cache=False).logits
     finally:
-        head.targets = None
-        if head.softcap:
-            config.final_logit_softcapping = head.softcap
+        head.scoring = None
+        if softcap:
+            config.final_logit_softcapping = softcap
 
 def micro_batches(indices, sizes, size):
     """This rank's `indices` in slices of `size`, as many as the rank with the most (`sizes`: the
@@ -907,6 +867,7 @@ def goal_completion(results):
             "per_task": {task_id: success for task_id, success, _ in results}}
 
 def evaluate(model, chat, cfg, split, iteration, run_dir):
+    """One episode per task of `split`: the metrics row; 3 of the episodes to transcripts/."""
     started = time.time()
     env = ENVS[cfg.env]
     tasks = env.tasks(split)[RANK::WORLD]  # each rank plays its share; rank 0 gathers the results

@@ -995,16 +995,20 @@ def _error(capsys, *argv):
 @pytest.mark.parametrize("content, message", [
     ("{not json", "cannot read config"),
     ("[1, 2]", "one JSON object"),
-    ('{"iterashuns": 3}', "unknown key 'iterashuns'"),
-    ('{"iterations": "3"}', "'iterations' in"),
-    ('{"normalize_rewards": 1}', "must be bool"),
+    ('{"iterashuns": 3}', "unrecognized arguments: --iterashuns=3 in {path}"),
+    ('{"iterations": "three"}', "argument --iterations: invalid int value: 'three' in {path}"),
+    ('{"iterations": true}', "argument --iterations: expected one argument in {path}"),
+    ('{"normalize_rewards": 1}', "--no-normalize-rewards: ignored explicit argument '1' in {path}"),
+    ('{"ratio": "sideways"}', "argument --ratio: invalid choice: 'sideways'"),
     ('{"epochs": 0}', "--epochs must be >= 1, got 0"),
 ])
 def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, message):
+    """A file's settings are read as the flags they name: a wrong key, type or value stops with
+    the flag's error and the file's name."""
     path = tmp_path / "bad.json"
     path.write_text(content)
     code, err = _error(capsys, "--config", str(path), "--out", str(tmp_path / "run"))
-    assert code == 2 and message in err
+    assert code == 2 and message.format(path=path) in err
     assert not (tmp_path / "run").exists()  # stopped before any work
 
 
@@ -1568,7 +1572,7 @@ def _episode_and_rendering(chat, replies):
     env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
     e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
     for turn, (reply, observation) in enumerate(zip(replies, OBSERVATIONS)):
-        loop.act(e, chat.encode(reply, literal=True) + [chat.eot], turn, chat, cfg)
+        loop.act(e, chat.encode(reply, literal=True) + [chat.eot], turn, chat)
         loop.observe(e, observation, False, chat, cfg)
     conversation = list(env.messages())
     for reply, observation in zip(replies, OBSERVATIONS):
@@ -1633,10 +1637,10 @@ def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answ
     env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
     e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
     cut = "Draft:\n```python\napis.supervisor.complete_task(answer=0)"  # max_new_tokens reached
-    assert loop.act(e, chat.encode(cut, literal=True), 0, chat, cfg) == ""
+    assert loop.act(e, chat.encode(cut, literal=True), 0, chat) == ""
     assert e.transcript[-1]["content"] == "<think>\n" + cut  # the reply as the template renders it
     done = "Look first.\n```python\nprint(0)\n```\n</think>\n\n```python\nprint(1)\n```"
-    assert loop.act(e, chat.encode(done, literal=True) + [chat.eot], 1, chat, cfg) == "print(1)"
+    assert loop.act(e, chat.encode(done, literal=True) + [chat.eot], 1, chat) == "print(1)"
 
 
 @pytest.mark.parametrize("name", ["qwen2.5", "llama3.0", "gemma2", "mistral"])
@@ -1867,7 +1871,7 @@ def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
     e = loop.start_wave([(env, "5a0f1c2_1")], chat, cfg)[0]
     env.step("1")  # the world is up and its REPL has run once
     start = time.monotonic()
-    code = loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, chat, cfg)
+    code = loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, chat)
     loop.observe(e, env.step(code), False, chat, cfg)
     assert time.monotonic() - start < 1.0
     observation = e.transcript[-1]["content"]
@@ -2101,7 +2105,7 @@ def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
         loop.chunked_logprob_head(head, chunk)
         h = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
         y = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
-        head.targets, head.temperature = y, 0.7
+        head.scoring = (y, 0.7, None)
         lp = head(h)
         (lp * torch.linspace(-1, 1, 7)).sum().backward()
         grads.append((lp.detach(), h.grad, head.weight.grad))
@@ -2109,7 +2113,7 @@ def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
     assert torch.allclose(grads[0][0], full, atol=1e-6)
     for a, b in zip(grads[0], grads[1]):
         assert torch.allclose(a, b, atol=1e-6)
-    head.targets = None
+    head.scoring = None
     assert head(h).shape == (2, 8, 50)  # without targets it is the plain head (generation)
 
 
@@ -2912,7 +2916,7 @@ def test_behaviour_counts_looking_first_and_recovering(tiny):
     def episode(codes, outputs):
         e = loop.start_wave([(tiny_world.TinyWorld("order00_1"), "order00_1")], chat, cfg)[0]
         for turn, (code, output) in enumerate(zip(codes, outputs)):
-            loop.act(e, chat.encode(fence(code)) + [chat.eot], turn, chat, cfg)
+            loop.act(e, chat.encode(fence(code)) + [chat.eot], turn, chat)
             loop.observe(e, output, False, chat, cfg)
         return e.looked_first, e.erred
 

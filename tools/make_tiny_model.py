@@ -183,7 +183,7 @@ def demo_episode(rng, chat, cfg):
     env.timeout = cfg.code_timeout
     e = loop.start_wave([(env, env.task_id)], chat, cfg)[0]
     for i, code in enumerate(codes):
-        loop.act(e, chat.encode(fence(code)) + [chat.eot], i, chat, cfg)
+        loop.act(e, chat.encode(fence(code)) + [chat.eot], i, chat)
         loop.observe(e, env.step(code), i == len(codes) - 1, chat, cfg)
     return e
 
