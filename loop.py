@@ -1095,6 +1095,7 @@ def main(argv=None):
     try:
         run(cfg, run_dir)
     except KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
+        sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
         started = os.path.exists(os.path.join(run_dir, "config.json"))
         launcher = "torchrun --nproc_per_node G" if cfg.fsdp else "python"
         say(f"\ninterrupted: continue with `{launcher} {os.path.basename(sys.argv[0])} --resume "
