@@ -36,167 +36,7 @@ def _in_a_temporary_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-# ---------------------------------------------------------------- leave-one-out advantages (Eq. 3)
-def test_loo_advantages_k2():
-    adv = loop.loo_advantages(torch.tensor([[1.0, 0.0], [0.25, 0.75]]))
-    assert torch.allclose(adv, torch.tensor([[1.0, -1.0], [-0.5, 0.5]]))
-
-
-def test_loo_advantages_k6_by_hand():
-    r = torch.tensor([[1.0, 0.0, 0.5, 0.5, 0.25, 0.75]])
-    # A_0 = 1 - (0 + .5 + .5 + .25 + .75)/5 = 0.6; A_1 = 0 - 3/5 = -0.6; A_4 = .25 - 2.75/5 = -0.3
-    expected = torch.tensor([[0.6, -0.6, 0.0, 0.0, -0.3, 0.3]])
-    assert torch.allclose(loop.loo_advantages(r), expected, atol=1e-6)
-
-
-def test_loo_advantages_equal_returns_are_zero():
-    assert torch.equal(loop.loo_advantages(torch.full((3, 6), 0.7)), torch.zeros(3, 6))
-
-
-def test_reward_normalisation_divides_by_the_population_std_as_the_reference_code():
-    # K=2: A = [1, -1], population std of [1, 0] = 0.5 (the sample std would be 0.7071)
-    assert torch.allclose(loop.loo_advantages(torch.tensor([[1.0, 0.0]]), normalize=True),
-                          torch.tensor([[2.0, -2.0]]))
-    # K=3, R = [1, 0, 0]: A = 3/2 (R - 1/3) = [1, -0.5, -0.5]; std = sqrt(2/9) = 0.47140
-    adv = loop.loo_advantages(torch.tensor([[1.0, 0.0, 0.0]]), normalize=True)
-    assert torch.allclose(adv, torch.tensor([[2.12132, -1.06066, -1.06066]]), atol=1e-5)
-    # equal returns: std 0 is floored at 1e-7, so A stays 0 instead of 0/0
-    assert torch.equal(loop.loo_advantages(torch.full((2, 3), 0.5), normalize=True), torch.zeros(2, 3))
-
-
-def test_a_failed_rollout_leaves_its_group_and_the_others_keep_exact_leave_one_out_advantages():
-    rewards = torch.tensor([[1.0, 1.0, 0.5, 0.0], [0.3, 0.9, 0.0, 0.0], [1.0, 0.0, 0.5, 0.25]])
-    valid = torch.tensor([[True, True, True, False], [True, False, False, False], [True] * 4])
-    adv = loop.loo_advantages(rewards, valid=valid)
-    # group 0, K' = 3: 1 - (1 + 0.5)/2 = 0.25 twice, 0.5 - (1 + 1)/2 = -0.5; the failed one: none
-    assert adv[0, :3].tolist() == pytest.approx([0.25, 0.25, -0.5]) and adv[0, 3].isnan()
-    assert adv[1].isnan().all()  # one left: no leave-one-out group
-    assert torch.equal(adv[2], loop.loo_advantages(rewards[2:])[0])  # no failure: Eq. 3 as ever
-    # RwNorm over the three left: population std of [1, 1, 0.5] = sqrt(1/18)
-    normed = loop.loo_advantages(rewards[:1], normalize=True, valid=valid[:1])[0, :3]
-    assert normed.tolist() == pytest.approx([0.25 * 18 ** 0.5, 0.25 * 18 ** 0.5, -0.5 * 18 ** 0.5])
-
-
-# ---------------------------------------------------------------- clipped objective (Eq. 5)
-# One rollout: tokens 0 and 4 are environment tokens, 1-2 form turn 0 and 3 forms turn 1.
-# log ratios on the output tokens: log 1.5, log 0.5, log 1.05; eps = 0.1 -> clip to [1/1.1, 1.1].
-MASK = torch.tensor([[False, True, True, True, False]])
-TURN = torch.tensor([[-1, 0, 0, 1, -1]])
-OLD = torch.tensor([[-1.0, -2.0, -1.0, -3.0, -0.5]])
-
-
-def _loss(adv, ratios, ratio_kind, env_logp=(0.3, -4.0)):
-    logp = OLD.clone()
-    logp[0, 1:4] += torch.log(torch.tensor(ratios))
-    logp[0, 0], logp[0, 4] = env_logp
-    logp.requires_grad_(True)
-    loss, n_clipped = loop.loop_loss(logp, OLD, torch.tensor([adv]), MASK, TURN, ratio_kind, 0.1)
-    loss.sum().backward()
-    return loss.item(), logp.grad[0].tolist(), int(n_clipped)
-
-
-def test_per_token_objective_positive_advantage():
-    loss, grad, n_clipped = _loss(2.0, [1.5, 0.5, 1.05], "token")
-    # min(1.5*2, 1.1*2)=2.2 clipped; min(0.5*2, 0.909*2)=1.0; min(2.1, 2.1)=2.1 -> loss -(5.3)/3
-    assert loss == pytest.approx(-5.3 / 3, abs=1e-5)
-    assert grad == pytest.approx([0.0, 0.0, -1.0 / 3, -2.1 / 3, 0.0], abs=1e-5)  # zero where clipped
-    assert n_clipped == 1
-
-
-def test_per_token_objective_negative_advantage():
-    loss, grad, n_clipped = _loss(-1.0, [1.5, 0.5, 1.05], "token")
-    # min(-1.5, -1.1)=-1.5; min(-0.5, -0.909)=-0.909 clipped; -1.05 -> loss (1.5+1/1.1+1.05)/3
-    assert loss == pytest.approx((1.5 + 1 / 1.1 + 1.05) / 3, abs=1e-5)
-    assert grad == pytest.approx([0.0, 0.5, 0.0, 0.35, 0.0], abs=1e-5)
-    assert n_clipped == 1
-
-
-def test_per_turn_objective():
-    loss, grad, _ = _loss(2.0, [1.5, 0.5, 1.05], "turn")
-    # turn 0 ratio 0.75 (unclipped: 1.5 < 1.818), turn 1 ratio 1.05 -> per token [1.5, 1.5, 2.1]
-    assert loss == pytest.approx(-5.1 / 3, abs=1e-5)
-    # d/dlogp_1 = -(r0 A + r0 A)/3 = -1.0 (both tokens of turn 0 carry r0), d/dlogp_3 = -2.1/3
-    assert grad == pytest.approx([0.0, -1.0, -1.0, -0.7, 0.0], abs=1e-5)
-
-
-def test_per_turn_objective_clipped_turn_has_zero_gradient():
-    loss, grad, _ = _loss(2.0, [1.5, 1.0, 1.0], "turn")  # turn 0 ratio 1.5 -> clipped at 1.1
-    assert loss == pytest.approx(-(2.2 + 2.2 + 2.0) / 3, abs=1e-5)
-    assert grad == pytest.approx([0.0, 0.0, 0.0, -2.0 / 3, 0.0], abs=1e-5)
-
-
-def test_per_trajectory_objective():
-    loss, grad, _ = _loss(2.0, [1.5, 0.5, 1.05], "trajectory")
-    r = 1.5 * 0.5 * 1.05  # 0.7875, unclipped for A > 0
-    assert loss == pytest.approx(-r * 2.0, abs=1e-5)
-    assert grad == pytest.approx([0.0, -r * 2, -r * 2, -r * 2, 0.0], abs=1e-5)
-    loss, grad, n_clipped = _loss(2.0, [1.5, 1.0, 1.0], "trajectory")  # ratio 1.5 -> clipped
-    assert loss == pytest.approx(-2.2, abs=1e-5) and grad == pytest.approx([0.0] * 5, abs=1e-7)
-    assert n_clipped == 3
-
-
-def _eq5_unbounded(logp, adv, kind, eps=0.1):
-    """Eq. 5 as written for the rollout of MASK with one turn, in float64, log r unbounded."""
-    r = (logp - OLD.double())[0, 1:4].sum().exp()  # one turn: the turn's ratio is the rollout's
-    return -torch.minimum(r * adv, r.clamp(1 / (1 + eps), 1 + eps) * adv).mean()
-
-
-@pytest.mark.parametrize("kind", ["turn", "trajectory"])
-@pytest.mark.parametrize("adv", [0.5, -0.5, 0.0])
-def test_a_summed_log_ratio_of_any_size_keeps_loss_and_gradient_finite(kind, adv):
-    """A summed log r from -300 to 300 (exp overflows past 88.7 in float32): for every sign of A
-    the loss and the gradient stay finite; where |sum log r| <= 40 both are Eq. 5's, unbounded, to
-    float32 precision. Unbounded, A < 0 gave an inf loss, A = 0 a NaN, A > 0 a NaN gradient."""
-    turn = torch.tensor([[-1, 0, 0, 0, -1]])  # for "turn" the three output tokens are one turn
-    for total in [-300.0, -100.0, -40.0, -5.0, -0.05, 0.0, 0.04, 0.3, 5.0, 40.0, 88.0, 100.0, 300.0]:
-        logp = OLD.clone()
-        logp[0, 1:4] += torch.tensor([0.5, 0.3, 0.2]) * total
-        logp.requires_grad_(True)
-        loss, _ = loop.loop_loss(logp, OLD, torch.tensor([adv]), MASK, turn, kind, 0.1)
-        loss.sum().backward()
-        assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all(), (total, loss, logp.grad)
-        if abs(total) <= 40:
-            exact = logp.detach().double().requires_grad_(True)
-            reference = _eq5_unbounded(exact, adv, kind)
-            reference.backward()
-            assert loss.item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-6), total
-            assert logp.grad.double() == pytest.approx(exact.grad, rel=1e-5, abs=1e-6), total
-    # A > 0 past the clip: -1.1 A and no gradient, the tokens counted as clipped
-    logp = OLD.clone()
-    logp[0, 1:4] += torch.tensor([40.0, 30.0, 30.0])
-    logp.requires_grad_(True)
-    loss, n_clipped = loop.loop_loss(logp, OLD, torch.tensor([0.5]), MASK, turn, kind, 0.1)
-    loss.sum().backward()
-    assert loss.item() == pytest.approx(-0.55) and n_clipped == 3
-    assert torch.equal(logp.grad, torch.zeros_like(logp))
-
-
-@pytest.mark.parametrize("kind", ["token", "turn", "trajectory", "none"])
-def test_objectives_accept_float64(kind):
-    single = _loss(2.0, [1.5, 0.5, 1.05], kind)
-    logp = OLD.double().clone()
-    logp[0, 1:4] += torch.log(torch.tensor([1.5, 0.5, 1.05], dtype=torch.float64))
-    loss, _ = loop.loop_loss(logp, OLD.double(), torch.tensor([2.0], dtype=torch.float64), MASK, TURN, kind, 0.1)
-    assert loss.dtype == torch.float64 and loss.item() == pytest.approx(single[0], abs=1e-6)
-
-
-def test_on_policy_rloo_objective():
-    logp = torch.tensor([[-9.0, -1.0, -2.0, -3.0, 5.0]], requires_grad=True)
-    loss, _ = loop.loop_loss(logp, OLD, torch.tensor([2.0]), MASK, TURN, "none", 0.1)
-    loss.sum().backward()
-    assert loss.item() == pytest.approx(4.0)  # -A * mean(-1, -2, -3)
-    assert logp.grad[0].tolist() == pytest.approx([0.0, -2 / 3, -2 / 3, -2 / 3, 0.0])
-
-
-@pytest.mark.parametrize("kind", ["token", "turn", "trajectory", "none"])
-def test_environment_tokens_cannot_change_the_loss(kind):
-    a = _loss(1.3, [1.2, 0.7, 1.0], kind, env_logp=(0.3, -4.0))
-    b = _loss(1.3, [1.2, 0.7, 1.0], kind, env_logp=(-50.0, 7.0))
-    assert a[0] == pytest.approx(b[0], abs=1e-6)
-    assert a[1][0] == a[1][4] == 0.0  # no gradient reaches a context token
-
-
-# ---------------------------------------------------------------- tiny model fixtures
+# ---------------- shared fixtures: the shipped tiny model, a small AppWorld data root, processes
 @pytest.fixture(scope="module")
 def tiny():
     """The shipped tiny instruct model (assets/tiny-model), loaded as --tiny loads it."""
@@ -223,6 +63,397 @@ def episodes(tiny):
     return eps, calls
 
 
+def _cli(*args, cwd=HERE, env=None, timeout=600):
+    return subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def _error(capsys, *argv):
+    """Exit code and stderr of a user mistake, which must be one line and no traceback."""
+    with pytest.raises(SystemExit) as stop:
+        loop.main(list(argv))
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    return stop.value.code, err
+
+
+def _torchrun(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(29500 + os.getpid() % 1000), *args],
+                          capture_output=True, text=True, cwd=HERE, timeout=timeout)
+
+
+class _Scripted:
+    """An environment that ends after a fixed number of turns, whatever the agent writes."""
+    def __init__(self, turns):
+        self.turns, self.done = turns, False
+
+    def messages(self):
+        return [{"role": "user", "content": "wait"}]
+
+    def step(self, code):
+        self.turns -= 1
+        self.done = self.turns == 0
+        return "ok"
+
+    def evaluate(self):
+        return 1, 1
+
+
+AW_LOGIN = '''pw = {p["account_name"]: p["password"] for p in apis.supervisor.show_account_passwords()}
+email = apis.supervisor.show_profile()["email"]
+tok = {a: apis[a].login(username=email, password=pw[a])["access_token"] for a in ("simple_note", "todoist")}
+'''
+
+
+def aw_solution(task_id, correct):
+    """A scripted agent's code: right, or wrong in a way that passes some tests."""
+    if task_id.startswith("5a0f1c2"):
+        p = AW_TASKS[task_id]["public"]
+        content, tags = (p["content"], [p["tag"]]) if correct else ("something else", [])
+        return AW_LOGIN + (f'apis.simple_note.create_note(title={p["title"]!r}, content={content!r}, tags={tags!r}, '
+                           'access_token=tok["simple_note"])\napis.supervisor.complete_task()')
+    return AW_LOGIN + f'''nid = apis.simple_note.search_notes(query="Weekend chores", access_token=tok["simple_note"])[0]["note_id"]
+chores = apis.simple_note.show_note(note_id=nid, access_token=tok["simple_note"])["content"].splitlines(){"" if correct else "[:2]"}
+pid = apis.todoist.create_project(name="Weekend", access_token=tok["todoist"])["project_id"]
+for c in chores:
+    apis.todoist.create_task(project_id=pid, title=c, access_token=tok["todoist"])
+apis.supervisor.complete_task(answer=len(chores))'''
+
+
+@pytest.fixture(scope="module")
+def appworld_root(tmp_path_factory):
+    try:
+        import appworld  # noqa: F401
+    except ImportError:
+        pytest.fail("appworld is a required dependency: pip install -r requirements.txt")
+    root = str(tmp_path_factory.mktemp("appworld"))
+    subprocess.run([sys.executable, os.path.join(HERE, "tools", "appworld_root.py"), root],
+                   check=True, capture_output=True, timeout=300)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("APPWORLD_ROOT", root)
+        yield root
+
+
+def _scripted_turns(codes_of_turn):
+    """A stand-in for loop.generate whose turn t gives row i the code codes_of_turn(t)[i]."""
+    turn = [0]
+
+    def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
+        turn[0] += 1
+        return [chat.encode(fence(code)) + [chat.eot] for code in codes_of_turn(turn[0])[:len(prompts)]]
+    return generate
+
+
+# ---------------- 1. Settings: defaults, tiny_config.json, --config, flags; a mistake is one line
+def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"iterations": 7, "lr": 1, "max_turns": 9}))
+    cfg = loop.parse_config(["--config", str(path), "--iterations", "3", "--max-turns", "4", "--no-normalize-rewards"])
+    assert (cfg.iterations, cfg.lr, cfg.max_turns, cfg.normalize_rewards) == (3, 1.0, 4, False)
+    assert loop.parse_config(["--tiny"]).model == SHIPPED  # found from any directory
+    # --tiny with --config: the file is laid over tiny_config.json, flags over both
+    cfg = loop.parse_config(["--tiny", "--config", str(path), "--lr", "0.5"])
+    assert (cfg.model, cfg.env, cfg.iterations, cfg.max_turns, cfg.lr) == (SHIPPED, "tiny", 7, 9, 0.5)
+    assert cfg.rollouts_per_task == json.load(open(loop.TINY_CONFIG))["rollouts_per_task"]
+    # a model folder a config file names is looked for beside the file; a hub id stays as it is
+    (tmp_path / "mine").mkdir()
+    path.write_text(json.dumps({"model": "mine"}))
+    assert loop.parse_config(["--config", str(path)]).model == str(tmp_path / "mine")
+    path.write_text(json.dumps({"model": "Qwen/Qwen2.5-7B-Instruct"}))
+    assert loop.parse_config(["--config", str(path)]).model == "Qwen/Qwen2.5-7B-Instruct"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "cannot read config"),
+    ("[1, 2]", "one JSON object"),
+    ('{"iterashuns": 3}', "unrecognized arguments: --iterashuns=3 in {path}"),
+    ('{"iterations": "three"}', "argument --iterations: invalid int value: 'three' in {path}"),
+    ('{"iterations": true}', "argument --iterations: expected one argument in {path}"),
+    ('{"normalize_rewards": 1}', "--no-normalize-rewards: ignored explicit argument '1' in {path}"),
+    ('{"ratio": "sideways"}', "argument --ratio: invalid choice: 'sideways'"),
+    ('{"epochs": 0}', "--epochs must be >= 1, got 0"),
+])
+def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, message):
+    """A file's settings are read as the flags they name: a wrong key, type or value stops with
+    the flag's error and the file's name."""
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    code, err = _error(capsys, "--config", str(path), "--out", str(tmp_path / "run"))
+    assert code == 2 and message.format(path=path) in err
+    assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--batch-episodes", "0", ">= 1"), ("--eval-every", "0", ">= 1"), ("--tasks-per-iteration", "0", ">= 1"),
+    ("--micro-batch-size", "0", ">= 1"), ("--minibatch-size", "0", ">= 1"), ("--max-turns", "0", ">= 1"),
+    ("--eval-max-turns", "0", ">= 1"), ("--epochs", "0", ">= 1"), ("--iterations", "-1", ">= 0"),
+    ("--rollouts-per-task", "1", ">= 2"), ("--max-new-tokens", "0", ">= 1"), ("--max-context", "0", ">= 1"),
+    ("--clip-eps", "-0.1", "> 0"), ("--lr", "-1e-5", "> 0"), ("--lr", "0", "> 0"), ("--temperature", "0", "> 0"),
+    ("--grad-clip", "0", "> 0"), ("--max-kl", "nan", "> 0"), ("--code-timeout", "0", "> 0"),
+    ("--weight-decay", "-0.01", ">= 0"), ("--min-abs-advantage", "-1", ">= 0"), ("--eval-temperature", "-1", ">= 0"),
+    ("--logprob-chunk", "0", ">= 1"),
+])
+def test_settings_out_of_range_stop_before_any_work(tmp_path, capsys, flag, value, allowed):
+    code, err = _error(capsys, "--tiny", f"{flag}={value}", "--out", str(tmp_path / "run"))
+    assert code == 2 and f"{flag} must be {allowed}, got " in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_is_never_mixed_and_resume_takes_its_own_settings(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    code, err = _error(capsys, "--tiny", "--out", str(tmp_path))
+    assert code == 2 and f"--resume {tmp_path}" in err
+    code, err = _error(capsys, "--tiny", "--resume", str(tmp_path))
+    assert code == 2 and "--resume continues with the settings" in err
+
+
+def test_help_shows_each_settings_docstring(capsys):
+    with pytest.raises(SystemExit):
+        loop.parse_config(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "K: rollouts per task, the leave-one-out group (paper: 6)." in out
+
+
+def test_help_shows_defaults_and_a_wrong_or_shortened_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        loop.parse_config(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "appworld, or tiny: an offline miniature of AppWorld. (default: appworld)" in out
+    assert "(default: Qwen/Qwen2.5-32B-Instruct)" in out and "(paper: 6). (default: 6)" in out
+    code, err = _error(capsys, "--iterations", "abc")
+    assert code == 2 and "--iterations: invalid int value: 'abc'" in err
+    code, err = _error(capsys, "--tiny", "--iteration", "1")  # not taken as --iterations
+    assert code == 2 and "unrecognized arguments: --iteration 1" in err
+
+
+def test_settings_parse_without_the_source_file(tmp_path):
+    """Under `python -m cProfile` and from a compiled file alone (no loop.py beside it), --help is
+    the same text, and a run under cProfile trains."""
+    import py_compile
+    reference = _cli("--help").stdout
+    assert "K: rollouts per task" in reference
+    profiled = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p"), os.path.join(HERE, "loop.py"),
+                               "--help"],
+                              capture_output=True, text=True, timeout=600)
+    assert profiled.returncode == 0 and profiled.stdout == reference
+    shutil.copytree(os.path.join(HERE, "assets"), tmp_path / "assets")
+    shutil.copy(os.path.join(HERE, "tiny_config.json"), tmp_path)
+    for sibling in ("tiny_world.py", "chat.py"):  # the modules beside it
+        shutil.copy(os.path.join(HERE, sibling), tmp_path)
+    py_compile.compile(os.path.join(HERE, "loop.py"), cfile=str(tmp_path / "loop.pyc"), doraise=True)
+    compiled = subprocess.run([sys.executable, str(tmp_path / "loop.pyc"), "--help"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=600)
+    words = compiled.stdout.replace("loop.pyc", "loop.py").split()  # the usage lines wrap one column later
+    assert compiled.returncode == 0 and words == reference.split()
+    run = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "profile"), os.path.join(HERE, "loop.py"),
+                          "--tiny", "--iterations", "1", "--tasks-per-iteration", "2", "--eval-every", "1",
+                          "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 1] and (tmp_path / "profile").stat().st_size > 0
+
+
+# ---------------- 2. The model (loading, FSDP2, the chunked log-prob head); its chat template (chat.py)
+def test_the_shipped_tiny_model_loads_and_starts_where_the_readme_says(tmp_path):
+    """assets/tiny-model is a from_pretrained directory, made by tools/make_tiny_model.py with the
+    default settings (its log says so). Greedy, it solves the 9 order tasks of the test split,
+    where it reads the docs first, and no payback or phone task: held-out TGC 33.3%."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    tok = PreTrainedTokenizerFast.from_pretrained(SHIPPED)
+    text = 'apis.shop.kofi(item="x") <|im_end|>'
+    assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == model.config.vocab_size
+    made = json.loads(open(os.path.join(SHIPPED, "make_tiny_model.jsonl")).readline())["args"]
+    assert made == {"out": "assets/tiny-model", "seed": 1, "shape": make_tiny_model.SHAPE,
+                    "drills": 2000, "demos": 150, "lr": 3e-3}  # the command docs/tiny-model.md gives
+    loop.main(["--tiny", "--eval", "--out", str(tmp_path / "ev")])
+    row = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text())
+    solved = sorted(t for t, ok in row["per_task"].items() if ok)
+    assert solved == [t for t in tiny_world.TinyWorld.tasks("test") if t.startswith("order")]
+    assert row["tgc"] == pytest.approx(9 / 27) and row["sgc"] == pytest.approx(3 / 9)
+
+
+def _hub(status):
+    """A Hugging Face hub on localhost whose every answer is `status` with the hub's error code."""
+    import http.server
+    import threading
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("hub", ["offline", "unreachable", "not_found"])
+def test_a_model_that_cannot_be_loaded_says_why_and_leaves_no_run(tmp_path, hub):
+    """A hub id that is in no local cache: offline and an unreachable hub say so; a hub that answers
+    404 says the model does not exist. No run directory is left behind."""
+    server = _hub(404) if hub == "not_found" else None
+    env = dict(os.environ, HF_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1" if hub == "offline" else "0",
+               HF_ENDPOINT=f"http://127.0.0.1:{server.server_port if server else 1}")
+    r = _cli("--env", "tiny", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--eval", cwd=tmp_path, env=env, timeout=120)
+    if server:
+        server.shutdown()
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
+    if hub == "not_found":
+        assert "model Qwen/Qwen2.5-0.5B-Instruct does not exist" in lines[0]
+    else:
+        assert "not in the local Hugging Face cache, and the hub cannot be reached" in lines[0]
+        assert "does not exist" not in lines[0] and ("HF_HUB_OFFLINE" in lines[0]) == (hub == "offline")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
+    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(SHIPPED, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
+    code = "import loop; m, t = loop.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "598", r.stderr[-1000:]
+    assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
+
+
+def test_bad_flag_and_missing_model_path(tmp_path, capsys):
+    r = _cli("--ratio", "sideways")  # one test through a real process: the exit code the shell sees
+    assert r.returncode == 2 and "--ratio" in r.stderr and "Traceback" not in r.stderr
+    code, err = _error(capsys, "--tiny", "--model", str(tmp_path / "no" / "such" / "model"), "--eval",
+                       "--out", str(tmp_path / "run"))
+    assert code == 2 and f"there is no directory {tmp_path / 'no' / 'such' / 'model'}" in err
+    code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
+    assert code == 2 and f"cannot load model {tmp_path}: " in err
+
+
+def test_a_run_directory_given_as_the_model_says_where_its_model_is(tmp_path, capsys):
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    code, err = _error(capsys, "--tiny", "--eval", "--model", str(tmp_path / "run"), "--out", str(tmp_path / "ev"))
+    assert code == 2 and f"its trained model is {tmp_path / 'run' / 'model'}" in err
+    assert not (tmp_path / "ev").exists()
+
+
+@pytest.fixture(scope="module")
+def biased_model(tiny, tmp_path_factory):
+    """A random tiny model (whose flat softmax samples well outside its top 20) saved with a
+    generation_config.json like a hub model's (top-k 20, top-p 0.8, repetition penalty 1.3) and
+    loaded back the way users load a model."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    cfg, shipped, chat = tiny
+    path = tmp_path_factory.mktemp("biased")
+    torch.manual_seed(0)
+    saved = AutoModelForCausalLM.from_config(shipped.config)  # the shipped shape, random weights
+    saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3,
+                                               eos_token_id=[2, 5])
+    saved.save_pretrained(path)
+    chat.tok.save_pretrained(path)
+    assert json.loads((path / "generation_config.json").read_text())["top_k"] == 20
+    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]))
+    return model, loop.Chat(tok, model.generation_config.eos_token_id)
+
+
+def test_only_the_stop_ids_of_the_hub_generation_config_are_kept(biased_model):
+    model, chat = biased_model
+    kept = model.generation_config.to_diff_dict()
+    assert {k: v for k, v in kept.items() if k != "transformers_version"} == {"eos_token_id": [2, 5]}
+    assert chat.stop_ids == [2, 5]  # the template's <|im_end|> (2) and the config's 5
+
+
+def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
+    torch.manual_seed(0)
+    grads = []
+    for chunk in (3, 10_000):  # many small chunks vs one chunk holding every position
+        head = torch.nn.Linear(16, 50, bias=False)
+        head.weight.data = torch.randn(50, 16, generator=torch.Generator().manual_seed(1))
+        loop.chunked_logprob_head(head, chunk)
+        h = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        y = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+        head.scoring = (y, 0.7, None)
+        lp = head(h)
+        (lp * torch.linspace(-1, 1, 7)).sum().backward()
+        grads.append((lp.detach(), h.grad, head.weight.grad))
+    full = torch.log_softmax(h[:, :7].detach() @ head.weight.detach().T / 0.7, -1).gather(-1, y[..., None]).squeeze(-1)
+    assert torch.allclose(grads[0][0], full, atol=1e-6)
+    for a, b in zip(grads[0], grads[1]):
+        assert torch.allclose(a, b, atol=1e-6)
+    head.scoring = None
+    assert head(h).shape == (2, 8, 50)  # without targets it is the plain head (generation)
+
+
+def _rss_mb(field="VmRSS"):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field)) / 1024
+
+
+def _one_read_worker(out, folder, *flags):
+    """Both ranks load the model under --fsdp: rank 1's host memory growth (peak resident set) and
+    buffers, and then the whole model gathered from the shards."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    loop.start_distributed()
+    rank = loop.RANK
+    loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]))  # imports done
+    before = _rss_mb()
+    model, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
+    growth = _rss_mb("VmHWM") - before
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # (cpu_offload: rank 0 alone holds the gathered weights)
+        torch.save(weights, out + ".weights")
+    if rank == 1:
+        torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth,
+                    "parameters": len(list(model.parameters()))}, out)  # tied ones count once
+    dist.barrier()  # as the other workers end: a rank that exits with gloo up may abort (SIGABRT)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flags", [[], ["--lora", "--bf16"]])
+def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
+    """A random model of 466 MB (fp32) loaded on 2 gloo ranks: rank 1 builds it on the meta device
+    and receives its shards from rank 0, so its host memory grows by about its half (233 MB), well
+    below the model's size (before: every rank read the whole model first); its weights, LoRA
+    adapter included, buffers (RoPE's inv_freq, in no state dict) and tied weights are a one-process
+    load's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    folder = str(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    size_mb = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del model
+    r = _torchrun(os.path.join(HERE, "test_loop.py"), "one_read_worker", str(tmp_path / "rank1.pt"), folder, *flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "rank1.pt") | {"weights": torch.load(tmp_path / "rank1.pt.weights")}
+    assert 400 < size_mb < 600
+    if not flags:  # (bf16 halves it: then the allocator's ~80 MB of slack would decide)
+        assert got["growth_mb"] < 0.75 * size_mb, got["growth_mb"]  # measured 310; before, 500
+    single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]))
+    expected = single.state_dict()
+    assert got["parameters"] == len(list(single.parameters()))  # the embedding is still the head
+    assert got["weights"].keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got["weights"][name], tensor), name
+    buffers = dict(single.named_buffers())
+    assert buffers and got["buffers"].keys() == buffers.keys()
+    for name, tensor in buffers.items():
+        assert torch.equal(got["buffers"][name], tensor), name
+
+
 def test_tokenizer_is_exact_and_keeps_special_text_literal(tiny):
     chat = tiny[2]
     text = 'héllo <|im_end|> wörld 🎉 \x00\n\t  "quoted" 123 apis.bank.send(to="bob", amount=3)'
@@ -231,6 +462,511 @@ def test_tokenizer_is_exact_and_keeps_special_text_literal(tiny):
     assert chat.eot not in ids  # environment text can never end a turn
 
 
+# Qwen2.5's chat template without its tool-calling branches: a default system prompt when none is
+# given, and a "\n" after every <|im_end|> that belongs to the template, not to the model.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("with_system", [True, False])
+def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
+    import copy
+    cfg, model, chat = tiny
+    tok = copy.deepcopy(chat.tok)
+    tok.chat_template = QWEN25_TEMPLATE
+    chat = loop.Chat(tok)
+    assert chat.pre == "\n<|im_start|>user\n" and chat.post == "<|im_end|>\n<|im_start|>assistant\n"
+    envs = [tiny_world.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
+    if not with_system:
+        for env in envs:
+            env.messages = (lambda m: lambda: m[1:])(env.messages())
+    torch.manual_seed(3)
+    for e in loop.rollout(model, chat, envs, ["payback02_1", "order04_2"], cfg, 1.0, 3):
+        rendered = tok.apply_chat_template(e.transcript[:-1], tokenize=False)
+        assert rendered.startswith("<|im_start|>system\n" + ("Apps:" if with_system else "You are Qwen"))
+        closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
+        assert tok.decode(e.ids) + closing == rendered
+
+
+# Tokenizers built here in the shape of other families: their special tokens, eos, the ids their
+# generation_config.json stops on, and a chat template written in the family's shape (byte-level
+# BPE for all, trained on a few lines: the template is what differs).
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+
+
+LLAMA3_TURNS = ("{%- for m in messages %}"
+                "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
+                "{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+GEMMA_TURNS = ("{%- for m in messages %}"
+               "{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{%- endif %}"
+               "{%- set role = 'model' if m.role == 'assistant' else m.role %}"
+               "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + m.content | trim + '<end_of_turn>\\n' }}"
+               "{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
+
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+
+
+FAMILIES = {
+    "qwen2.5": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_end|>",
+                    generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=QWEN25_TEMPLATE),
+    "qwen3": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<think>", "</think>"],
+                  eos="<|im_end|>", generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=(
+        # the thinking of a reply before the last user message is dropped: not append-only
+        "{%- set ns = namespace(last_query=0) %}"
+        "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{%- for m in messages %}"
+        "{%- if m.role == 'assistant' %}"
+        "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') %}"
+        "{%- set thinking = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') if '</think>' in m.content else '' %}"
+        "{%- if loop.index0 > ns.last_query %}"
+        "{{- '<|im_start|>assistant\\n<think>\\n' + thinking + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")),
+    "llama3.1": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|eot_id|>",
+                     generation_eos=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], eot="<|eot_id|>", template=(
+        # a system header of its own, with the system message's text after it
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content | trim %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set system = '' %}{%- endif %}"
+        "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' + system + '<|eot_id|>' }}"
+        + LLAMA3_TURNS)),
+    "llama3.0": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|end_of_text|>",
+                     generation_eos=["<|end_of_text|>"], eot="<|eot_id|>", template="{{- bos_token }}" + LLAMA3_TURNS),
+    "gemma2": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
+                   eot="<end_of_turn>", template=(
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{{- raise_exception('System role not supported') }}{%- endif %}"
+        "{%- set prefix = '' %}" + GEMMA_TURNS)),
+    "gemma3": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
+                   eot="<end_of_turn>", template=(
+        # the system text starts the first user turn
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set prefix = '' %}{%- endif %}" + GEMMA_TURNS)),
+    "phi3": dict(specials=["<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
+                 bos="<s>", eos="<|endoftext|>", generation_eos=["<|endoftext|>", "<|assistant|>", "<|end|>"], eot="<|end|>",
+                 template=("{%- for m in messages %}{{- '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{%- endfor %}"
+                           "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}")),
+    "mistral": dict(specials=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], bos="<s>", eos="</s>",
+                    generation_eos=["</s>"], eot="</s>", template=(
+        # the system text joins the first user message inside [INST] ... [/INST]
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set prefix = '' %}{%- endif %}"
+        "{%- for m in messages %}"
+        "{%- if m.role == 'user' %}{{- '[INST] ' + (prefix if loop.first else '') + m.content + ' [/INST]' }}"
+        "{%- else %}{{- m.content + eos_token }}{%- endif %}"
+        "{%- endfor %}")),
+}
+
+
+STOP_IDS_OF = {"qwen2.5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
+               "llama3.1": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3.0": ["<|eot_id|>", "<|end_of_text|>"],
+               "gemma2": ["<end_of_turn>", "<eos>"], "gemma3": ["<end_of_turn>", "<eos>"],
+               "phi3": ["<|end|>", "<|endoftext|>", "<|assistant|>"], "mistral": ["</s>"]}
+
+
+CORPUS = [tiny_world.TinyWorld.SYSTEM, *tiny_world.TinyWorld.FAMILIES.values(), "Execution successful. Execution failed. KeyError",
+          "```python\nprint(apis.api_docs.show('shop'))\nprint(apis.supervisor.wishlist())\n```", "Let me look first.",
+          "apis.shop.kofi(item='lena') ordered sent to  12 the system user assistant model"]
+
+
+def family_tokenizer(name, sentencepiece=False):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    f = FAMILIES[name]
+    backend = Tokenizer(models.BPE())
+    if sentencepiece:  # a word at the start of a text gets "▁", as after a space
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        alphabet = []
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=f["specials"], initial_alphabet=alphabet)
+    backend.train_from_iterator(CORPUS * 3, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=f.get("bos"), eos_token=f["eos"],
+                                  chat_template=f["template"], padding_side="left")
+    tok.add_tokens(f.get("added", []))  # Qwen3's <think>: added, but not special
+    return tok, tok.convert_tokens_to_ids(f["generation_eos"])
+
+
+# what a rollout of the tiny world could see: code replies; observations with the spaces and
+# newlines that `trim` removes, a one-word one, and one that starts with a number
+REPLIES = ["Let me look first.\n```python\nprint(apis.api_docs.show('shop'))\n```",
+           "```python\nprint(apis.supervisor.wishlist())\n```", "```python\napis.shop.kofi(item='lena')\n```"]
+
+
+OBSERVATIONS = ["apis.shop.kofi(item): orders an item\n", "  ['lena', 'kofi']  ", "12 ordered lena"]
+
+
+def _episode_and_rendering(chat, replies):
+    """An episode built turn by turn as rollout() builds it, and the template's rendering of the
+    same conversation, up to the next generation."""
+    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
+    e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
+    for turn, (reply, observation) in enumerate(zip(replies, OBSERVATIONS)):
+        loop.act(e, chat.encode(reply, literal=True) + [chat.eot], turn, chat)
+        loop.observe(e, observation, False, chat, cfg)
+    conversation = list(env.messages())
+    for reply, observation in zip(replies, OBSERVATIONS):
+        conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
+    return e, chat.encode(chat.render(conversation))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chat_follows_the_family_template(name):
+    tok, generation_eos = family_tokenizer(name)
+    chat = loop.Chat(tok, generation_eos)
+    assert chat.eot_text == FAMILIES[name]["eot"]
+    assert chat.stop_ids == sorted(tok.convert_tokens_to_ids(STOP_IDS_OF[name]))
+    folded = chat.fold_system  # the run says so in a note
+    assert folded == (name == "gemma2")
+    prompt = tok.decode(chat.prompt(tiny_world.TinyWorld("order00_1").messages()))
+    assert tiny_world.TinyWorld.SYSTEM in prompt and prompt.count(tok.bos_token or "\x00") <= 1
+    if folded or name in ("gemma3", "mistral"):  # the system text starts the first user message
+        assert tiny_world.TinyWorld.SYSTEM + "\n\n" + tiny_world.TinyWorld.FAMILIES["order"] in prompt
+    e, rendered = _episode_and_rendering(chat, REPLIES)
+    assert e.ids == rendered  # token for token, every observation where the template puts it
+    assert [i for i, out in zip(e.ids, e.is_output) if out].count(chat.eot) == len(REPLIES)
+
+
+@pytest.mark.parametrize("name", ["phi3", "mistral"])
+def test_an_observation_is_tokenized_where_it_stands(name):
+    """With a SentencePiece-style tokenizer an observation tokenized as a text of its own starts
+    with "▁"; in the conversation it follows the end-of-turn token. Its ids are the rendering's."""
+    chat = loop.Chat(*family_tokenizer(name, sentencepiece=True))
+    for observation in OBSERVATIONS:
+        conversation = [{"role": "user", "content": "task"}, {"role": "assistant", "content": REPLIES[0]},
+                        {"role": "user", "content": observation}]
+        rendered, ids = chat.encode(chat.render(conversation)), chat.observation(observation)
+        assert rendered[-len(ids) - 1] == chat.eot and rendered[-len(ids):] == ids  # right after the reply
+
+
+def test_qwen3_episode_keeps_the_thinking_its_template_drops():
+    """Qwen3's template renders earlier replies without their <think> block: the episode keeps the
+    ids that were sampled (what the update scores), so it is the rendering plus the thinking."""
+    chat = loop.Chat(*family_tokenizer("qwen3"))
+    thinking = "<think>\nLook at the docs first.\n</think>\n\n"
+    e, rendered = _episode_and_rendering(chat, [thinking + r for r in REPLIES])
+    assert e.ids != rendered
+    think = chat.encode(thinking)
+    for _ in REPLIES:  # take each turn's thinking out of the episode: the rendering is left
+        at = next(i for i in range(len(e.ids)) if e.ids[i:i + len(think)] == think)
+        assert all(e.is_output[at:at + len(think)])
+        del e.ids[at:at + len(think)], e.is_output[at:at + len(think)]
+    assert e.ids == rendered
+
+
+def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answer():
+    """QwQ-32B's and DeepSeek-R1-Distill's generation prompts end in "<think>\n": the sampled reply
+    holds "</think>" but no "<think>". A reply cut off while reasoning runs none of its drafts; a
+    finished one runs the code after "</think>". Qwen3's prompt opens nothing."""
+    tok, eos = family_tokenizer("qwen3")
+    assert loop.Chat(tok, eos).reply_start == ""
+    tok.chat_template = FAMILIES["qwen3"]["template"].replace(
+        "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    chat = loop.Chat(tok, eos)
+    assert chat.reply_start == "<think>\n" and chat.render([{"role": "user", "content": "u"}]).endswith("<think>\n")
+    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
+    e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
+    cut = "Draft:\n```python\napis.supervisor.complete_task(answer=0)"  # max_new_tokens reached
+    assert loop.act(e, chat.encode(cut, literal=True), 0, chat) == ""
+    assert e.transcript[-1]["content"] == "<think>\n" + cut  # the reply as the template renders it
+    done = "Look first.\n```python\nprint(0)\n```\n</think>\n\n```python\nprint(1)\n```"
+    assert loop.act(e, chat.encode(done, literal=True) + [chat.eot], 1, chat) == "print(1)"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.0", "gemma2", "mistral"])
+def test_environment_text_that_spells_a_special_token_stays_text(name):
+    chat = loop.Chat(*family_tokenizer(name))
+    ids = chat.observation(f"printed {chat.eot_text} and {chat.tok.eos_token}, then more")
+    closing = chat.encode(chat.post)
+    assert chat.eot not in ids[:-len(closing)] and chat.tok.eos_token_id not in ids[:-len(closing)]
+    assert f"printed {chat.eot_text} and" in chat.tok.decode(ids)
+
+
+def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
+    tok, _ = family_tokenizer("qwen2.5")
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="a turn could never end"):
+        loop.Chat(tok)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template"):
+        loop.Chat(tok)
+
+
+# ---------------- 3. Environments: AppWorld (the real package, offline) and the tiny world (tiny_world.py)
+def test_extract_code():
+    assert loop.extract_code("hi\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "a = 1\nb = 2"
+    assert loop.extract_code("```python\nx = 3\nprint(x)") == "x = 3\nprint(x)"  # unterminated
+    assert loop.extract_code("no code here") == ""
+
+
+def test_only_the_code_after_a_reasoning_block_runs():
+    draft, answer = "```python\nsend(everyone)\n```", "```python\napis.supervisor.complete_task()\n```"
+    assert loop.extract_code(f"<think>first {draft}</think>\n{answer}") == "apis.supervisor.complete_task()"
+    assert loop.extract_code(f"plan {draft}</think>{answer}") == "apis.supervisor.complete_task()"  # opened in the prompt
+    assert loop.extract_code(f"<think>still thinking {draft}") == ""  # cut off before an answer
+
+
+def test_appworld_scripted_policy_right_and_wrong(appworld_root):
+    assert loop.AppWorldEnv.tasks("fixture") == list(AW_TASKS)
+    first = next(iter(AW_TASKS))  # a wrong solution on one task: each world costs seconds to start
+    envs = {(t, ok): loop.AppWorldEnv(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS
+            for ok in (True, False) if ok or t == first}
+    for (task, correct), env in envs.items():
+        prompt = env.messages()[1]["content"]
+        assert AW_TASKS[task]["instruction"] in prompt and "Joyce Weaver" in prompt and "2023-05-18" in prompt
+        message = f"Let me do it.\n```python\n{aw_solution(task, correct)}\n```"
+        output = env.step(loop.extract_code(message))
+        assert "Execution failed" not in output and env.done, output
+        assert env.evaluate() == ((4, 4) if correct else (2, 4))
+
+
+def test_appworld_rollouts_are_isolated_and_a_dead_or_hung_worker_fails_its_episode(appworld_root):
+    envs = [loop.AppWorldEnv("5a0f1c2_1", 60.0, f"pytest-iso{k}") for k in range(3)]
+    for env in envs:
+        env.messages()
+    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
+    assert [env.step(count).strip() for env in envs] == ["1", "1", "1"]
+    envs[0].step(aw_solution("5a0f1c2_1", True))
+    assert [env.step(count).strip() for env in envs] == ["2", "1", "1"]  # K=3 worlds of one task, separate state
+    envs[1].worker.kill()
+    assert "failed" in envs[1].step("print(1)") and envs[1].done
+    os.kill(envs[2].worker.pid, signal.SIGSTOP)  # hung: alive, never answers
+    try:
+        started = time.monotonic()
+        assert envs[2].call(("execute", "print(1)"), wait=1.0) is None  # step waits timeout + 60 s
+        assert time.monotonic() - started < 5 and envs[2].failed and envs[2].done
+        envs[2].worker.join(5)
+        assert not envs[2].worker.is_alive()  # killed, not left behind
+    finally:
+        envs[2].worker.kill()  # a stopped child would hang the exit
+    assert "failed" in envs[2].step("print(1)") and envs[2].evaluate() is None  # no reward at all
+    assert envs[1].evaluate() is None and envs[0].evaluate() == (4, 4)
+
+
+def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root):
+    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
+    env = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-reuse-a")
+    env.messages()
+    env.step(aw_solution("5a0f1c2_1", True))
+    assert env.step(count).strip() == "2" and env.evaluate() == (4, 4)
+    with open(f"/proc/{env.worker.pid}/stat") as fh:
+        parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+    assert parent != os.getpid()  # started by the forkserver, not forked from the trainer
+    again = loop.AppWorldEnv("5a0f1c2_2", 60.0, "pytest-reuse-b")
+    assert AW_TASKS["5a0f1c2_2"]["instruction"] in again.messages()[1]["content"]  # its world starts
+    assert again.worker.pid == env.worker.pid  # the idle worker took the next task
+    assert again.step(count).strip() == "1"  # in a world of its own: the first one's note is not there
+    again.step(aw_solution("5a0f1c2_2", True))
+    assert again.evaluate() == (4, 4)
+
+
+def test_an_idle_worker_that_died_is_replaced_not_handed_out(appworld_root):
+    env = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-idle-a")
+    env.messages()
+    env.step(aw_solution("5a0f1c2_1", True))
+    assert env.evaluate() == (4, 4) and loop.AppWorldEnv.idle[-1][0] is env.worker  # waits idle
+    env.worker.kill()  # dies while it waits
+    env.worker.join(5)
+    again = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-idle-b")
+    assert AW_TASKS["5a0f1c2_1"]["instruction"] in again.messages()[1]["content"]
+    assert again.worker is not env.worker and again.worker.is_alive()
+    again.step(aw_solution("5a0f1c2_1", True))
+    assert again.evaluate() == (4, 4) and not again.failed
+    assert all(worker.is_alive() for worker, _ in loop.AppWorldEnv.idle)
+
+
+def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypatch):
+    """Two worlds of a wave take a worker at once while one is idle: one gets it, the other a new
+    one. Unlocked, both saw the pool non-empty and the second pop() failed (a pool whose length
+    takes a while makes the race certain)."""
+    class Worker:
+        def is_alive(self):
+            return True
+
+    class SlowPool(list):
+        def __len__(self):
+            n = super().__len__()
+            time.sleep(0.05)  # the other thread runs meanwhile
+            return n
+    monkeypatch.setattr(loop.AppWorldEnv, "idle", SlowPool([(Worker(), "idle")]))
+    monkeypatch.setattr(loop.AppWorldEnv, "start_worker", staticmethod(lambda: (Worker(), "new")))
+    taken = loop.concurrently([loop.AppWorldEnv.take_worker] * 2)
+    assert sorted(conn for _, conn in taken) == ["idle", "new"]
+
+
+def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
+    code, err = _error(capsys, "--eval", "--env", "appworld", "--split", "test_normal", "--tiny")
+    assert code == 2 and "appworld download data" in err
+
+
+def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
+    import dataclasses
+    cfg, _, chat = tiny
+    cfg = dataclasses.replace(cfg, env="appworld", max_obs_tokens=3000, max_context=32768)
+    env = loop.AppWorldEnv("5a0f1c2_1", 30.0, "pytest-flood")
+    e = loop.start_wave([(env, "5a0f1c2_1")], chat, cfg)[0]
+    env.step("1")  # the world is up and its REPL has run once
+    start = time.monotonic()
+    code = loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, chat)
+    loop.observe(e, env.step(code), False, chat, cfg)
+    assert time.monotonic() - start < 1.0
+    observation = e.transcript[-1]["content"]
+    assert observation.endswith(" characters, showing the first 3000 tokens]")  # 2,000,000 x and a newline
+    assert "\n[output truncated: 2000001 characters" in observation
+    assert 3000 <= len(observation) < 4000
+    env.evaluate()
+
+
+def _run(task, *codes):
+    w = tiny_world.TinyWorld(task, timeout=0.5)
+    obs = [w.step(c) for c in codes]
+    return w, obs, w.evaluate()
+
+
+def _docs(w, app):
+    return w.step(f'print(apis.api_docs.show(app="{app}"))')
+
+
+def test_tiny_world_order_needs_the_api_name_from_the_docs():
+    w = tiny_world.TinyWorld("order04_2")
+    buy = w.api["shop"]
+    assert _docs(w, "shop") == f"apis.shop.{buy}(item): orders an item"
+    good = f"apis.shop.{buy}(item=apis.supervisor.wishlist()[0])"
+    assert _run("order04_2", good, "apis.supervisor.complete_task()")[2] == (3, 3)
+    assert _run("order04_2", good)[2] == (2, 3)  # not completed
+    assert _run("order04_2", good.replace("[0]", "[-1]"), "apis.supervisor.complete_task()")[2] == (2, 3)
+    wrong = next(a for a in tiny_world.TASK_VALUES["words"] if a != buy)
+    world, obs, result = _run("order04_2", good.replace(buy, wrong))
+    assert obs[0] == f"Execution failed. AttributeError: shop has no API named '{wrong}'"
+    assert result == (0, 3) and not world.orders
+
+
+def test_tiny_world_payback_pays_the_last_payment():
+    w = tiny_world.TinyWorld("payback05_3")
+    (last, amount), (other, other_amount) = w.payments
+    assert _docs(w, "bank") == f"apis.bank.{w.api['bank']}(name, amount): sends money"
+    assert w.step("print(apis.supervisor.payments())") == str(
+        [{"name": last, "amount": amount}, {"name": other, "amount": other_amount}])
+    send = f'apis.bank.{w.api["bank"]}(name="{{}}", amount={{}})\napis.supervisor.complete_task()'
+    assert _run("payback05_3", send.format(last, amount))[2] == (4, 4)
+    assert _run("payback05_3", send.format(other, other_amount))[2] == (2, 4)
+    assert _run("payback05_3", send.format(last, other_amount))[2] == (3, 4)
+    assert _run("payback05_3", send.format(last, amount), send.format(last, amount))[2] == (1, 4)  # paid twice
+    assert "no contact" in _run("payback05_3", send.format("nobody", 1))[1][0]
+
+
+def test_tiny_world_phone_of_the_last_payer():
+    w = tiny_world.TinyWorld("phone07_1")
+    last, other = w.payments[0][0], w.payments[1][0]
+    lookup = f"apis.contacts.{w.api['contacts']}"
+    world, obs, result = _run("phone07_1", f'print({lookup}(name="{last}"))', "")
+    assert obs[0] == str(world.phones[last]) and result == (0, 3)
+    world, obs, result = _run("phone07_1", f'x = {lookup}(name="{last}")', "apis.supervisor.complete_task(answer=x)")
+    assert result == (3, 3) and obs[1] == "Execution successful." and world.done  # REPL state persists
+    assert _run("phone07_1", f'apis.supervisor.complete_task(answer={lookup}(name="{other}"))')[2] == (2, 3)
+    assert _run("phone07_1", f'apis.supervisor.complete_task(answer="{w.phones[last]}")')[2] == (1, 3)  # a str
+
+
+def test_tiny_world_no_fixed_api_guess_solves_more_than_a_few_tasks():
+    """Each world names its APIs anew, so only the docs tell which to call."""
+    tasks = tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test")
+    for app in tiny_world.TinyWorld.APPS.values():
+        names = collections.Counter(tiny_world.TinyWorld(t).api[app] for t in tasks)
+        assert max(names.values()) <= 6, names.most_common(3)  # of 108 tasks
+    for t in tasks:  # and never a name that is also a person or an item of that world
+        w = tiny_world.TinyWorld(t)
+        assert len(set(w.api.values()) | set(w.phones) | set(w.wishlist)) == 10
+
+
+def test_a_name_is_the_same_tokens_in_the_docs_and_in_code(tiny):
+    """The tiny tokenizer keeps a dot with the name after it, so the API name that follows
+    `.shop` in the docs is the one that follows it in the call: a one-token lookup."""
+    _, _, chat = tiny
+    w = tiny_world.TinyWorld("order00_1")
+    docs = chat.tok.tokenize(w.docs("shop"))
+    code = chat.tok.tokenize(make_tiny_model.action(w, w.api["shop"], 0))
+    name = chat.tok.tokenize("." + w.api["shop"])
+    assert docs[:2 + len(name)] == code[:2 + len(name)] == ["apis", ".shop"] + name
+    assert all(len(chat.tok.tokenize(word)) > 1 for word in tiny_world.WORDS)  # no name is one token
+
+
+def test_agent_code_failures_become_observations():
+    t = time.monotonic()
+    w, obs, result = _run("payback01_1", "1/0", "def f(:\n  pass", "while True:\n    pass",
+                          "while True: print('x' * 1000)", "open('/etc/passwd')", "import os",
+                          f'apis.bank.{tiny_world.TinyWorld("payback01_1").api["bank"]}(name="nobody", amount=1)')
+    assert time.monotonic() - t < 5
+    assert "ZeroDivisionError" in obs[0]
+    assert "SyntaxError" in obs[1]
+    assert "longer than" in obs[2]
+    assert "output exceeded" in obs[3]
+    assert "NameError" in obs[4] and "failed" in obs[5]
+    assert "KeyError" in obs[6]
+    assert result == (0, 4) and not w.done
+
+
+def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monkeypatch):
+    """A world's module is __main__ when run as a script (a forker's own world), its name when
+    imported. The same erring code gives the same observation both ways: CPython names a callee
+    with its module in */** argument errors (it read `__main__.run_code.<locals>.limited_print()`
+    vs `loop.run_...`), so print and the APIs read as the agent calls them."""
+    import importlib.util
+    # as `python tiny_world.py` would, under a name that is not its own
+    spec = importlib.util.spec_from_file_location("launched", tiny_world.__file__)
+    launched = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "launched", launched)
+    spec.loader.exec_module(launched)
+    bank = tiny_world.TinyWorld("payback01_1").api["bank"]
+    codes = ['print(**apis.api_docs.show(app="bank"))', "print(*1)", f"apis.bank.{bank}(**[1])",
+             "apis.api_docs.show(*5)", 'apis.api_docs.show(app_name="bank")', f"apis.bank.{bank}(1)",
+             "apis.supervisor.complete_task(**'x')", "apis.supervisor.payments(1, 2)"]
+    seen = {name: [module.TinyWorld("payback01_1").step(code) for code in codes]
+            for name, module in (("import", tiny_world), ("script", launched))}
+    assert seen["import"] == seen["script"]
+    assert seen["import"][:3] == ["Execution failed. TypeError: print() argument after ** must be a mapping, not str",
+                                  "Execution failed. TypeError: print() argument after * must be an iterable, not int",
+                                  f"Execution failed. TypeError: apis.bank.{bank}() argument after ** must be a "
+                                  "mapping, not list"]
+    assert not any(word in text for text in seen["import"] for word in ("tiny_world", "launched", "<locals>", "TinyWorld"))
+
+
+def test_splits_are_scenarios_of_three_and_disjoint():
+    train, test = tiny_world.TinyWorld.tasks("train"), tiny_world.TinyWorld.tasks("test")
+    assert not set(train) & set(test)
+    scenarios = {}
+    for t in train + test:
+        scenarios.setdefault(t.split("_")[0], []).append(t)
+    assert all(len(v) == 3 for v in scenarios.values())
+    assert not {t.split("_")[0] for t in train} & {t.split("_")[0] for t in test}
+
+
+# ---------------- 4. Rollouts: the POMDP's token bookkeeping, the carried KV cache, waves, sampling = scoring
 def test_sampled_ids_are_kept_exactly_and_masked(episodes):
     eps, calls = episodes
     assert len(calls) >= 2  # several turns were played
@@ -279,32 +1015,6 @@ def test_recomputed_logprobs_equal_sampling_logprobs(tiny, episodes, temperature
         full_attn = torch.cat([attn, torch.ones_like(new)], 1)
         recomputed = loop.token_logprobs(model, out.sequences, full_attn, temperature)[:, width - 1:]
     assert torch.allclose(recomputed, sampled, atol=1e-4)
-
-
-@pytest.fixture(scope="module")
-def biased_model(tiny, tmp_path_factory):
-    """A random tiny model (whose flat softmax samples well outside its top 20) saved with a
-    generation_config.json like a hub model's (top-k 20, top-p 0.8, repetition penalty 1.3) and
-    loaded back the way users load a model."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    cfg, shipped, chat = tiny
-    path = tmp_path_factory.mktemp("biased")
-    torch.manual_seed(0)
-    saved = AutoModelForCausalLM.from_config(shipped.config)  # the shipped shape, random weights
-    saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3,
-                                               eos_token_id=[2, 5])
-    saved.save_pretrained(path)
-    chat.tok.save_pretrained(path)
-    assert json.loads((path / "generation_config.json").read_text())["top_k"] == 20
-    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]))
-    return model, loop.Chat(tok, model.generation_config.eos_token_id)
-
-
-def test_only_the_stop_ids_of_the_hub_generation_config_are_kept(biased_model):
-    model, chat = biased_model
-    kept = model.generation_config.to_diff_dict()
-    assert {k: v for k, v in kept.items() if k != "transformers_version"} == {"eos_token_id": [2, 5]}
-    assert chat.stop_ids == [2, 5]  # the template's <|im_end|> (2) and the config's 5
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -476,242 +1186,6 @@ def test_sampling_with_the_carried_cache_equals_scoring_the_whole_episode(tiny, 
             assert torch.allclose(scored[i, torch.tensor(where) - 1], sampled, atol=1e-4), (i, turn)
 
 
-def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
-    cfg, model, chat = tiny
-    eps = episodes[0]
-    ids, attn, is_out, turn = loop.pad_batch(eps)
-    logp = loop.token_logprobs(model, ids, attn, 1.0).detach().requires_grad_(True)
-    loss, _ = loop.loop_loss(logp, logp.detach() - 0.05, torch.tensor([1.0, -1.0, 0.5, 2.0]),
-                             is_out[:, 1:] & attn[:, 1:].bool(), turn[:, 1:])
-    loss.sum().backward()
-    assert (logp.grad[~is_out[:, 1:]] == 0).all()
-    assert (logp.grad[is_out[:, 1:]] != 0).any()
-
-
-def _mean_output_logp(model, e):
-    """Mean log-probability, at T = 1, of the tokens the policy sampled in episode e."""
-    ids, attn, is_out, _ = loop.pad_batch([e])
-    with torch.no_grad():
-        return loop.token_logprobs(model, ids, attn, 1.0)[is_out[:, 1:]].mean().item()
-
-
-@pytest.mark.parametrize("advantage", [1.0, -1.0])
-def test_one_update_moves_the_sampled_tokens_the_way_the_advantage_says(tiny, episodes, monkeypatch, advantage):
-    """No weight decay, so only the gradient moves the weights; the gradient of the objective reaches
-    the log-prob at position t exactly where token t+1 was sampled (is_output[1:]), nowhere else."""
-    import copy
-    cfg, model, chat = tiny
-    e = episodes[0][0]
-    m = copy.deepcopy(model)
-    before = _mean_output_logp(m, e)
-    trained, original = [], loop.token_logprobs
-
-    def recording(model, ids, attn, temperature):
-        logp = original(model, ids, attn, temperature)
-        if logp.requires_grad:  # the training pass, not the old log-probs
-            logp.retain_grad()
-            trained.append(logp)
-        return logp
-    monkeypatch.setattr(loop, "token_logprobs", recording)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0)
-    one_step = loop.dataclasses.replace(cfg, epochs=1, minibatch_size=1, micro_batch_size=1)
-    assert loop.update(m, opt, [e], torch.tensor([advantage]), one_step)["steps"] == 1
-    assert (_mean_output_logp(m, e) - before) * advantage > 0
-    (logp,) = trained
-    assert torch.equal(logp.grad[0] != 0, torch.tensor(e.is_output[1:]))
-    assert sum(e.is_output) < len(e.ids) - 1  # the episode does hold context tokens
-
-
-def test_update_drops_rollouts_without_signal(tiny, episodes):
-    import copy
-    cfg, model, chat = tiny
-    opt = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=1e-5)
-    stats = loop.update(copy.deepcopy(model), opt, episodes[0], torch.tensor([1.0, -1.0, 0.005, 0.5]), cfg)
-    assert stats["rollouts_used"] == 3  # |A| = 0.005 < 0.01 is dropped
-    assert stats["steps"] == cfg.epochs and not stats["abandoned"]
-
-
-def test_high_kl_abandons_the_iteration(tiny, episodes):
-    cfg, model, chat = tiny
-    import copy
-    import dataclasses
-    m = copy.deepcopy(model)
-    small = dataclasses.replace(cfg, minibatch_size=1, micro_batch_size=1, max_kl=1e-9, lr=1e-2)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    stats = loop.update(m, opt, episodes[0], torch.tensor([1.0, -1.0, 1.0, -1.0]), small)
-    assert stats["abandoned"] and stats["steps"] == 1  # first step ran (KL 0), the second saw KL > 0
-
-
-# ---------------------------------------------------------------- the tiny world
-def _run(task, *codes):
-    w = tiny_world.TinyWorld(task, timeout=0.5)
-    obs = [w.step(c) for c in codes]
-    return w, obs, w.evaluate()
-
-
-def _docs(w, app):
-    return w.step(f'print(apis.api_docs.show(app="{app}"))')
-
-
-def test_tiny_world_order_needs_the_api_name_from_the_docs():
-    w = tiny_world.TinyWorld("order04_2")
-    buy = w.api["shop"]
-    assert _docs(w, "shop") == f"apis.shop.{buy}(item): orders an item"
-    good = f"apis.shop.{buy}(item=apis.supervisor.wishlist()[0])"
-    assert _run("order04_2", good, "apis.supervisor.complete_task()")[2] == (3, 3)
-    assert _run("order04_2", good)[2] == (2, 3)  # not completed
-    assert _run("order04_2", good.replace("[0]", "[-1]"), "apis.supervisor.complete_task()")[2] == (2, 3)
-    wrong = next(a for a in tiny_world.TASK_VALUES["words"] if a != buy)
-    world, obs, result = _run("order04_2", good.replace(buy, wrong))
-    assert obs[0] == f"Execution failed. AttributeError: shop has no API named '{wrong}'"
-    assert result == (0, 3) and not world.orders
-
-
-def test_tiny_world_payback_pays_the_last_payment():
-    w = tiny_world.TinyWorld("payback05_3")
-    (last, amount), (other, other_amount) = w.payments
-    assert _docs(w, "bank") == f"apis.bank.{w.api['bank']}(name, amount): sends money"
-    assert w.step("print(apis.supervisor.payments())") == str(
-        [{"name": last, "amount": amount}, {"name": other, "amount": other_amount}])
-    send = f'apis.bank.{w.api["bank"]}(name="{{}}", amount={{}})\napis.supervisor.complete_task()'
-    assert _run("payback05_3", send.format(last, amount))[2] == (4, 4)
-    assert _run("payback05_3", send.format(other, other_amount))[2] == (2, 4)
-    assert _run("payback05_3", send.format(last, other_amount))[2] == (3, 4)
-    assert _run("payback05_3", send.format(last, amount), send.format(last, amount))[2] == (1, 4)  # paid twice
-    assert "no contact" in _run("payback05_3", send.format("nobody", 1))[1][0]
-
-
-def test_tiny_world_phone_of_the_last_payer():
-    w = tiny_world.TinyWorld("phone07_1")
-    last, other = w.payments[0][0], w.payments[1][0]
-    lookup = f"apis.contacts.{w.api['contacts']}"
-    world, obs, result = _run("phone07_1", f'print({lookup}(name="{last}"))', "")
-    assert obs[0] == str(world.phones[last]) and result == (0, 3)
-    world, obs, result = _run("phone07_1", f'x = {lookup}(name="{last}")', "apis.supervisor.complete_task(answer=x)")
-    assert result == (3, 3) and obs[1] == "Execution successful." and world.done  # REPL state persists
-    assert _run("phone07_1", f'apis.supervisor.complete_task(answer={lookup}(name="{other}"))')[2] == (2, 3)
-    assert _run("phone07_1", f'apis.supervisor.complete_task(answer="{w.phones[last]}")')[2] == (1, 3)  # a str
-
-
-def test_tiny_world_no_fixed_api_guess_solves_more_than_a_few_tasks():
-    """Each world names its APIs anew, so only the docs tell which to call."""
-    tasks = tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test")
-    for app in tiny_world.TinyWorld.APPS.values():
-        names = collections.Counter(tiny_world.TinyWorld(t).api[app] for t in tasks)
-        assert max(names.values()) <= 6, names.most_common(3)  # of 108 tasks
-    for t in tasks:  # and never a name that is also a person or an item of that world
-        w = tiny_world.TinyWorld(t)
-        assert len(set(w.api.values()) | set(w.phones) | set(w.wishlist)) == 10
-
-
-def test_a_name_is_the_same_tokens_in_the_docs_and_in_code(tiny):
-    """The tiny tokenizer keeps a dot with the name after it, so the API name that follows
-    `.shop` in the docs is the one that follows it in the call: a one-token lookup."""
-    _, _, chat = tiny
-    w = tiny_world.TinyWorld("order00_1")
-    docs = chat.tok.tokenize(w.docs("shop"))
-    code = chat.tok.tokenize(make_tiny_model.action(w, w.api["shop"], 0))
-    name = chat.tok.tokenize("." + w.api["shop"])
-    assert docs[:2 + len(name)] == code[:2 + len(name)] == ["apis", ".shop"] + name
-    assert all(len(chat.tok.tokenize(word)) > 1 for word in tiny_world.WORDS)  # no name is one token
-
-
-def test_agent_code_failures_become_observations():
-    t = time.monotonic()
-    w, obs, result = _run("payback01_1", "1/0", "def f(:\n  pass", "while True:\n    pass",
-                          "while True: print('x' * 1000)", "open('/etc/passwd')", "import os",
-                          f'apis.bank.{tiny_world.TinyWorld("payback01_1").api["bank"]}(name="nobody", amount=1)')
-    assert time.monotonic() - t < 5
-    assert "ZeroDivisionError" in obs[0]
-    assert "SyntaxError" in obs[1]
-    assert "longer than" in obs[2]
-    assert "output exceeded" in obs[3]
-    assert "NameError" in obs[4] and "failed" in obs[5]
-    assert "KeyError" in obs[6]
-    assert result == (0, 4) and not w.done
-
-
-def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monkeypatch):
-    """A world's module is __main__ when run as a script (a forker's own world), its name when
-    imported. The same erring code gives the same observation both ways: CPython names a callee
-    with its module in */** argument errors (it read `__main__.run_code.<locals>.limited_print()`
-    vs `loop.run_...`), so print and the APIs read as the agent calls them."""
-    import importlib.util
-    # as `python tiny_world.py` would, under a name that is not its own
-    spec = importlib.util.spec_from_file_location("launched", tiny_world.__file__)
-    launched = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "launched", launched)
-    spec.loader.exec_module(launched)
-    bank = tiny_world.TinyWorld("payback01_1").api["bank"]
-    codes = ['print(**apis.api_docs.show(app="bank"))', "print(*1)", f"apis.bank.{bank}(**[1])",
-             "apis.api_docs.show(*5)", 'apis.api_docs.show(app_name="bank")', f"apis.bank.{bank}(1)",
-             "apis.supervisor.complete_task(**'x')", "apis.supervisor.payments(1, 2)"]
-    seen = {name: [module.TinyWorld("payback01_1").step(code) for code in codes]
-            for name, module in (("import", tiny_world), ("script", launched))}
-    assert seen["import"] == seen["script"]
-    assert seen["import"][:3] == ["Execution failed. TypeError: print() argument after ** must be a mapping, not str",
-                                  "Execution failed. TypeError: print() argument after * must be an iterable, not int",
-                                  f"Execution failed. TypeError: apis.bank.{bank}() argument after ** must be a "
-                                  "mapping, not list"]
-    assert not any(word in text for text in seen["import"] for word in ("tiny_world", "launched", "<locals>", "TinyWorld"))
-
-
-def _docs_seen(text):
-    """{app: its API name} of every app whose docs the conversation shows."""
-    return dict(re.findall(r"^apis\.(shop|bank|contacts)\.(\w+)\(", text, flags=re.M))
-
-
-def tiny_solution(text):
-    """A careful agent's next code for the tiny-world conversation `text`: the docs of the app
-    the task needs, then the task done with the API name the docs showed, then complete_task."""
-    family = {"Order": "order", "Pay": "payback", "What": "phone"}[text.split("<|im_start|>user\n")[1].split()[0]]
-    app = tiny_world.TinyWorld.APPS[family]
-    api = _docs_seen(text).get(app)
-    last = "apis.supervisor.payments()[0]"
-    if api is None:
-        return f'print(apis.api_docs.show(app="{app}"))'
-    if family == "phone":
-        return f'apis.supervisor.complete_task(answer=apis.contacts.{api}(name={last}["name"]))'
-    work = f"apis.shop.{api}(item=apis.supervisor.wishlist()[0])" if family == "order" else f"apis.bank.{api}(**{last})"
-    return work + "\napis.supervisor.complete_task()"
-
-
-def scripted_policy(write_code):
-    """A stand-in for loop.generate: each episode's turn is the code write_code(conversation) returns."""
-    def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
-        texts = [chat.tok.decode(p) for p in prompts]
-        return [chat.encode(fence(write_code(text))) + [chat.eot] for text in texts]
-    return generate
-
-
-# All three tasks of the test split's scenario order00 are solved, and 2 of the 3 of phone01; the
-# policy tells them by the top wishlist item or the last payer, which it prints first.
-SOLVED = {"Order": {tiny_world.TinyWorld(f"order00_{n}").wishlist[0] for n in (1, 2, 3)},
-          "What": {tiny_world.TinyWorld(f"phone01_{n}").payments[0][0] for n in (1, 2)}, "Pay": set()}
-
-
-def solve_some(text):
-    instruction = text.split("<|im_start|>user\n")[1]
-    if text.count("<|im_start|>assistant") == 1:
-        return "print(apis.supervisor.wishlist())" if "wishlist" in instruction else "print(apis.supervisor.payments())"
-    first = text.split("<|im_start|>user\n")[2].split("<|im_end|>")[0]
-    about = re.findall(r"'(\w+)'", first.replace("'name': ", ""))[0]  # the top item or the last payer
-    if about in SOLVED[instruction.split()[0]]:
-        return tiny_solution(text)
-    return "apis.supervisor.complete_task()"
-
-
-def test_tgc_and_sgc_of_a_policy_that_solves_some_tasks(tiny, tmp_path, monkeypatch):
-    cfg, model, chat = tiny
-    monkeypatch.setattr(loop, "generate", scripted_policy(solve_some))
-    row = loop.evaluate(model, chat, cfg, "test", 0, str(tmp_path))
-    assert {t for t, ok in row["per_task"].items() if ok} == {"order00_1", "order00_2", "order00_3", "phone01_1", "phone01_2"}
-    assert len(row["per_task"]) == 27
-    assert row["tgc"] == pytest.approx(5 / 27) and row["sgc"] == pytest.approx(1 / 9)
-    # solved 5 x 1; a bare complete_task() earns 1/3 on the 6 other order and 7 phone tasks, 1/4 on 9 payback
-    assert row["reward_mean"] == pytest.approx((5 + 6 / 3 + 7 / 3 + 9 / 4) / 27)
-
-
 class _Chatty:
     """An environment whose every observation is long, so that an episode fills its context."""
     def __init__(self, instruction="go"):
@@ -768,1060 +1242,23 @@ def test_observations_are_truncated_at_a_space_with_a_note(tiny):
     assert len(chat.encode(head, literal=True)) <= 40 and text.startswith(head + " ")  # cut at a space
 
 
-def test_extract_code():
-    assert loop.extract_code("hi\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "a = 1\nb = 2"
-    assert loop.extract_code("```python\nx = 3\nprint(x)") == "x = 3\nprint(x)"  # unterminated
-    assert loop.extract_code("no code here") == ""
-
-
-def test_only_the_code_after_a_reasoning_block_runs():
-    draft, answer = "```python\nsend(everyone)\n```", "```python\napis.supervisor.complete_task()\n```"
-    assert loop.extract_code(f"<think>first {draft}</think>\n{answer}") == "apis.supervisor.complete_task()"
-    assert loop.extract_code(f"plan {draft}</think>{answer}") == "apis.supervisor.complete_task()"  # opened in the prompt
-    assert loop.extract_code(f"<think>still thinking {draft}") == ""  # cut off before an answer
-
-
-def _task_values():
-    words, numbers = set(), set()
-    for t in tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test"):
-        w = tiny_world.TinyWorld(t)
-        words |= set(w.phones) | set(w.wishlist) | set(w.api.values())
-        numbers |= {str(n) for n in w.phones.values()} | {str(amount) for _, amount in w.payments}
-    return words, numbers
-
-
-def _play_demo(rng):
-    world, codes = make_tiny_model.demo(rng)
-    outputs = [world.step(code) for code in codes]
-    return world, codes, outputs
-
-
-def test_no_demonstration_uses_a_name_value_or_title_of_a_task():
-    words, numbers = _task_values()
-    rng, families = random.Random(0), set()
-    for _ in range(1000):
-        world, codes, outputs = _play_demo(rng)
-        families.add(world.family)
-        text = "\n".join([world.instruction, *codes, *outputs])
-        assert not set(re.findall(r"[a-z]+", text)) & words, text
-        assert not set(re.findall(r"\d+", text)) & numbers, text
-        doc, code = make_tiny_model.drill(rng)
-        assert not set(re.findall(r"[a-z]+", doc + code)) & words, doc
-    assert families == {"order", "phone", "payback"}
-
-
-def _demos(monkeypatch, n=300, look=1.0, recover=0.0, wrong=0.0):
-    monkeypatch.setattr(make_tiny_model, "LOOK", dict.fromkeys(tiny_world.TinyWorld.FAMILIES, look))
-    monkeypatch.setattr(make_tiny_model, "RECOVER", recover)
-    monkeypatch.setattr(make_tiny_model, "WRONG", wrong)
-    rng = random.Random(0)
-    return [_play_demo(rng) for _ in range(n)]
-
-
-def _solved(world):
-    points, checks = world.evaluate()
-    return points == checks
-
-
-def test_demonstrations_are_careless_in_the_stated_ways(monkeypatch):
-    docs = "apis.api_docs.show"
-    for world, codes, _ in _demos(monkeypatch):  # no flaw: read the docs, then solve the task
-        assert docs in codes[0] and _solved(world) and len(codes) == 3
-    for world, codes, _ in _demos(monkeypatch, wrong=1.0):  # the last entry, not the first
-        assert "[-1]" in codes[1] and not _solved(world)
-    for world, codes, outputs in _demos(monkeypatch, look=0.0):  # assumes a name, gives up
-        assumed = make_tiny_model.ASSUMED[tiny_world.TinyWorld.APPS[world.family]]
-        assert f"{assumed}(" in codes[0] and f"no API named '{assumed}'" in outputs[0]
-        assert codes[1:] == ["apis.supervisor.complete_task()"] and not _solved(world)
-    for world, codes, outputs in _demos(monkeypatch, look=0.0, recover=1.0):
-        assert outputs[0].startswith("Execution failed. AttributeError")
-        assert docs in codes[1] and _solved(world) and len(codes) == 4
-
-
-def test_demonstrations_look_first_as_often_as_stated():
-    rng = random.Random(0)
-    looked = collections.defaultdict(list)
-    for _ in range(3000):
-        world, codes = make_tiny_model.demo(rng)
-        looked[world.family].append("apis.api_docs.show" in codes[0])
-    for family, rate in make_tiny_model.LOOK.items():
-        assert abs(sum(looked[family]) / len(looked[family]) - rate) < 0.05, family
-
-
-def test_copied_is_the_share_of_episodes_the_model_writes_exactly(tiny):
-    _, model, chat = tiny
-    prompt = chat.prompt([{"role": "user", "content": "apis.shop.kofi(item): orders an item"}])
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(5):  # the model's own greedy continuation
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    greedy = ids[len(prompt):]
-    right = loop.Episode("a", None, [], [], [], [])
-    right.add(prompt)
-    right.add(greedy, output=True, turn=0)
-    wrong = loop.Episode("b", None, [], [], [], [])
-    wrong.add(prompt)
-    wrong.add(greedy[:-1] + [(greedy[-1] + 1) % len(chat.tok)], output=True, turn=0)
-    short = loop.Episode("c", None, [], [], [], [])  # shorter: padded in the batch
-    short.add(prompt[3:])
-    copied = make_tiny_model.copied
-    assert copied(model, [right]) == 1.0 and copied(model, [wrong]) == 0.0
-    assert copied(model, [right, wrong, short]) == pytest.approx(2 / 3)
-
-
-@pytest.mark.parametrize("copies, drill_steps", [(1.0, 50), (0.0, 120)])
-def test_drills_stop_once_the_model_copies(tiny, monkeypatch, copies, drill_steps):
-    import argparse
-    import copy
-    cfg, model, chat = tiny
-    batches, rates, rows = [], [], []
-
-    def sft_step(model, opt, episodes, grad_clip):
-        batches.append(episodes)
-        rates.append(opt.param_groups[0]["lr"])
-        return 1.0
-
-    monkeypatch.setattr(make_tiny_model, "sft_step", sft_step)
-    monkeypatch.setattr(make_tiny_model, "copied", lambda model, episodes: copies)
-    args = argparse.Namespace(seed=0, drills=120, demos=3, lr=3e-3)
-    assert make_tiny_model.warmup(copy.deepcopy(model), chat, cfg, args, rows.append) == drill_steps
-    drills = [b for b in batches if all(e.task_id == "drill" for e in b)]
-    assert len(drills) == drill_steps and len(batches) == len(rows) == drill_steps + 3
-    # the drills' rate rises over 100 steps, the demonstrations' falls from the top to zero
-    ramp = [args.lr * min(1, step / 100) for step in range(1, drill_steps + 1)]
-    decay = [args.lr * (1 - step / 3) for step in range(3)]
-    assert rates == pytest.approx(ramp + decay)
-    assert all(len(b) == 8 for b in drills)
-    assert all(len(b) == 10 and sum(e.task_id == "drill" for e in b) == 2 for b in batches[drill_steps:])
-
-
-def test_a_drill_is_doc_lines_each_followed_by_the_call_that_uses_it(tiny):
-    _, _, chat = tiny
-    e = make_tiny_model.drill_episode(random.Random(3), chat)
-    text = chat.tok.decode(e.ids)
-    assert text.startswith("<|im_start|>system\n" + tiny_world.TinyWorld.SYSTEM)
-    docs = re.findall(r"<\|im_start\|>user\n(apis\.\w+\.\w+)\(", text)
-    calls = re.findall(r"```python\n(?:x = )?(apis\.\w+\.\w+)\(", text)
-    assert len(docs) == 4 and docs == calls
-    outputs = [chat.tok.decode([i for i, out, turn in zip(e.ids, e.is_output, e.turn) if out and turn == t])
-               for t in range(4)]
-    assert all(o.startswith("```python\n") and o.endswith("```<|im_end|>") for o in outputs)
-    assert sum(e.is_output) == sum(len(chat.encode(o[:-len("<|im_end|>")])) + 1 for o in outputs)
-
-
-def _made(out):
-    """The losses a make_tiny_model run logged, and its weights."""
-    from safetensors.torch import load_file
-    rows = [json.loads(line) for line in (out / "make_tiny_model.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r], load_file(out / "model.safetensors")
-
-
-def test_make_tiny_model_is_deterministic_for_a_seed(tmp_path):
-    runs = {}
-    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        make_tiny_model.main(["--out", str(tmp_path / name), "--seed", str(seed), "--drills", "3", "--demos", "2"])
-        runs[name] = _made(tmp_path / name)
-    (losses, weights), (again, weights_again), (other, _) = runs["a"], runs["b"], runs["c"]
-    assert len(losses) == 5 and losses == again and losses != other
-    assert weights.keys() == weights_again.keys()
-    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
-    model, tok = loop.load_pretrained(loop.parse_config(["--tiny", "--model", str(tmp_path / "a")]))
-    shape = {k: getattr(model.config, k) for k in make_tiny_model.SHAPE}
-    assert shape == make_tiny_model.SHAPE and model.config.vocab_size == len(tok)
-
-
-def test_the_shipped_tiny_model_loads_and_starts_where_the_readme_says(tmp_path):
-    """assets/tiny-model is a from_pretrained directory, made by tools/make_tiny_model.py with the
-    default settings (its log says so). Greedy, it solves the 9 order tasks of the test split,
-    where it reads the docs first, and no payback or phone task: held-out TGC 33.3%."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
-    tok = PreTrainedTokenizerFast.from_pretrained(SHIPPED)
-    text = 'apis.shop.kofi(item="x") <|im_end|>'
-    assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == model.config.vocab_size
-    made = json.loads(open(os.path.join(SHIPPED, "make_tiny_model.jsonl")).readline())["args"]
-    assert made == {"out": "assets/tiny-model", "seed": 1, "shape": make_tiny_model.SHAPE,
-                    "drills": 2000, "demos": 150, "lr": 3e-3}  # the command docs/tiny-model.md gives
-    loop.main(["--tiny", "--eval", "--out", str(tmp_path / "ev")])
-    row = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text())
-    solved = sorted(t for t, ok in row["per_task"].items() if ok)
-    assert solved == [t for t in tiny_world.TinyWorld.tasks("test") if t.startswith("order")]
-    assert row["tgc"] == pytest.approx(9 / 27) and row["sgc"] == pytest.approx(3 / 9)
-
-
-def test_splits_are_scenarios_of_three_and_disjoint():
-    train, test = tiny_world.TinyWorld.tasks("train"), tiny_world.TinyWorld.tasks("test")
-    assert not set(train) & set(test)
-    scenarios = {}
-    for t in train + test:
-        scenarios.setdefault(t.split("_")[0], []).append(t)
-    assert all(len(v) == 3 for v in scenarios.values())
-    assert not {t.split("_")[0] for t in train} & {t.split("_")[0] for t in test}
-
-
-# ---------------------------------------------------------------- config and CLI
-def _cli(*args, cwd=HERE, env=None, timeout=600):
-    return subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
-
-
-def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"iterations": 7, "lr": 1, "max_turns": 9}))
-    cfg = loop.parse_config(["--config", str(path), "--iterations", "3", "--max-turns", "4", "--no-normalize-rewards"])
-    assert (cfg.iterations, cfg.lr, cfg.max_turns, cfg.normalize_rewards) == (3, 1.0, 4, False)
-    assert loop.parse_config(["--tiny"]).model == SHIPPED  # found from any directory
-    # --tiny with --config: the file is laid over tiny_config.json, flags over both
-    cfg = loop.parse_config(["--tiny", "--config", str(path), "--lr", "0.5"])
-    assert (cfg.model, cfg.env, cfg.iterations, cfg.max_turns, cfg.lr) == (SHIPPED, "tiny", 7, 9, 0.5)
-    assert cfg.rollouts_per_task == json.load(open(loop.TINY_CONFIG))["rollouts_per_task"]
-    # a model folder a config file names is looked for beside the file; a hub id stays as it is
-    (tmp_path / "mine").mkdir()
-    path.write_text(json.dumps({"model": "mine"}))
-    assert loop.parse_config(["--config", str(path)]).model == str(tmp_path / "mine")
-    path.write_text(json.dumps({"model": "Qwen/Qwen2.5-7B-Instruct"}))
-    assert loop.parse_config(["--config", str(path)]).model == "Qwen/Qwen2.5-7B-Instruct"
-
-
-def _error(capsys, *argv):
-    """Exit code and stderr of a user mistake, which must be one line and no traceback."""
-    with pytest.raises(SystemExit) as stop:
-        loop.main(list(argv))
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    return stop.value.code, err
-
-
-@pytest.mark.parametrize("content, message", [
-    ("{not json", "cannot read config"),
-    ("[1, 2]", "one JSON object"),
-    ('{"iterashuns": 3}', "unrecognized arguments: --iterashuns=3 in {path}"),
-    ('{"iterations": "three"}', "argument --iterations: invalid int value: 'three' in {path}"),
-    ('{"iterations": true}', "argument --iterations: expected one argument in {path}"),
-    ('{"normalize_rewards": 1}', "--no-normalize-rewards: ignored explicit argument '1' in {path}"),
-    ('{"ratio": "sideways"}', "argument --ratio: invalid choice: 'sideways'"),
-    ('{"epochs": 0}', "--epochs must be >= 1, got 0"),
-])
-def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, message):
-    """A file's settings are read as the flags they name: a wrong key, type or value stops with
-    the flag's error and the file's name."""
-    path = tmp_path / "bad.json"
-    path.write_text(content)
-    code, err = _error(capsys, "--config", str(path), "--out", str(tmp_path / "run"))
-    assert code == 2 and message.format(path=path) in err
-    assert not (tmp_path / "run").exists()  # stopped before any work
-
-
-@pytest.mark.parametrize("flag, value, allowed", [
-    ("--batch-episodes", "0", ">= 1"), ("--eval-every", "0", ">= 1"), ("--tasks-per-iteration", "0", ">= 1"),
-    ("--micro-batch-size", "0", ">= 1"), ("--minibatch-size", "0", ">= 1"), ("--max-turns", "0", ">= 1"),
-    ("--eval-max-turns", "0", ">= 1"), ("--epochs", "0", ">= 1"), ("--iterations", "-1", ">= 0"),
-    ("--rollouts-per-task", "1", ">= 2"), ("--max-new-tokens", "0", ">= 1"), ("--max-context", "0", ">= 1"),
-    ("--clip-eps", "-0.1", "> 0"), ("--lr", "-1e-5", "> 0"), ("--lr", "0", "> 0"), ("--temperature", "0", "> 0"),
-    ("--grad-clip", "0", "> 0"), ("--max-kl", "nan", "> 0"), ("--code-timeout", "0", "> 0"),
-    ("--weight-decay", "-0.01", ">= 0"), ("--min-abs-advantage", "-1", ">= 0"), ("--eval-temperature", "-1", ">= 0"),
-    ("--logprob-chunk", "0", ">= 1"),
-])
-def test_settings_out_of_range_stop_before_any_work(tmp_path, capsys, flag, value, allowed):
-    code, err = _error(capsys, "--tiny", f"{flag}={value}", "--out", str(tmp_path / "run"))
-    assert code == 2 and f"{flag} must be {allowed}, got " in err
-    assert not (tmp_path / "run").exists()
-
-
-def test_a_run_directory_is_never_mixed_and_resume_takes_its_own_settings(tmp_path, capsys):
-    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
-    code, err = _error(capsys, "--tiny", "--out", str(tmp_path))
-    assert code == 2 and f"--resume {tmp_path}" in err
-    code, err = _error(capsys, "--tiny", "--resume", str(tmp_path))
-    assert code == 2 and "--resume continues with the settings" in err
-
-
-def test_help_shows_each_settings_docstring(capsys):
-    with pytest.raises(SystemExit):
-        loop.parse_config(["--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    assert "K: rollouts per task, the leave-one-out group (paper: 6)." in out
-
-
-def test_help_shows_defaults_and_a_wrong_or_shortened_flag_is_one_line(capsys):
-    with pytest.raises(SystemExit):
-        loop.parse_config(["--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    assert "appworld, or tiny: an offline miniature of AppWorld. (default: appworld)" in out
-    assert "(default: Qwen/Qwen2.5-32B-Instruct)" in out and "(paper: 6). (default: 6)" in out
-    code, err = _error(capsys, "--iterations", "abc")
-    assert code == 2 and "--iterations: invalid int value: 'abc'" in err
-    code, err = _error(capsys, "--tiny", "--iteration", "1")  # not taken as --iterations
-    assert code == 2 and "unrecognized arguments: --iteration 1" in err
-
-
-def test_a_run_directory_given_as_the_model_says_where_its_model_is(tmp_path, capsys):
-    (tmp_path / "run" / "model").mkdir(parents=True)
-    (tmp_path / "run" / "metrics.jsonl").write_text("")
-    code, err = _error(capsys, "--tiny", "--eval", "--model", str(tmp_path / "run"), "--out", str(tmp_path / "ev"))
-    assert code == 2 and f"its trained model is {tmp_path / 'run' / 'model'}" in err
-    assert not (tmp_path / "ev").exists()
-
-
-SUM_WORLD = '''
-import sys
-sys.path.insert(0, {here!r})
-import loop
-import tiny_world
-
-
-class SumWorld:
-    """Only what tiny_world.py's docstring requires: no done, no close(), no behaviour strings."""
-
-    @staticmethod
-    def tasks(split):
-        return [f"sum{{i}}_1" for i in range(4)]
-
-    def __init__(self, task_id, timeout, experiment):
-        self.timeout = timeout
-        self.codes = []
-
-    def messages(self):
-        return [{{"role": "system", "content": tiny_world.TinyWorld.SYSTEM}},
-                {{"role": "user", "content": "Order the item at the top of my wishlist."}}]
-
-    def step(self, code):
-        self.codes.append(code)
-        return tiny_world.run_code(code, {{}}, self.timeout)
-
-    def evaluate(self):  # a check for code at all, one for calling the supervisor
-        return (bool(self.codes) + any("supervisor" in code for code in self.codes), 2)
-
-
-loop.ENVS["sum"] = SumWorld
-loop.main()
-'''
-
-
-def test_a_new_environment_with_only_the_required_members_trains_from_its_own_script(tmp_path):
-    """The README's way: a forker's script registers its world and runs loop's command line."""
-    script = tmp_path / "my_world.py"
-    script.write_text(SUM_WORLD.format(here=HERE))
-    r = subprocess.run([sys.executable, str(script), "--tiny", "--env", "sum", "--iterations", "1",
-                        "--tasks-per-iteration", "4", "--rollouts-per-task", "3", "--max-turns", "2",
-                        "--eval-max-turns", "2", "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    train, final = [r for r in loop.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
-    assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
-    assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
-
-
-def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_changes_nothing(tmp_path, capsys):
-    run = tmp_path / "run"
-    loop.main([*quick(), "--iterations", "1", "--out", str(run)])
-    assert f"writing to {run}" in capsys.readouterr().err
-    config = (run / "config.json").read_text()
-    assert json.loads(config)["out"] == str(run)
-    for flags, message in [(["--lora"], "--lora cannot change when resuming"),
-                           (["--model", str(tmp_path / "other")], "--model cannot change when resuming"),
-                           (["--iterations", "2", "--split", "nosuch"], "splits are train and test")]:
-        code, err = _error(capsys, "--resume", str(run), *flags)
-        assert code == 2 and message in err
-        assert (run / "config.json").read_text() == config  # rewritten only once a resume started
-
-    def unreadable(*args):
-        raise RuntimeError("a checkpoint that cannot be read")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "load_checkpoint", unreadable)
-        with pytest.raises(RuntimeError):
-            loop.main(["--resume", str(run), "--iterations", "2"])
-    assert (run / "config.json").read_text() == config
-    loop.main(["--resume", str(run), "--iterations", "2"])
-    assert f"resuming {run} from iteration 1" in capsys.readouterr().err
-    assert json.loads((run / "config.json").read_text())["iterations"] == 2
-    train, final = loop.read_metrics(run / "metrics.jsonl")[-2:]
-    assert final["split"] == "test" and final["seconds"] < train["seconds"]  # its own, not the process's
-    loop.main(["--resume", str(run), "--iterations", "2"])
-    assert capsys.readouterr().err.strip() == f"{run} is finished (2 iterations): nothing to do"
-
-
-def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
-    run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        for line in proc.stdout:  # the iteration-0 evaluation is logged: training has begun
-            if line.startswith("iteration 0:"):
-                break
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and "Traceback" not in err
-    assert err.strip().splitlines()[-1] == f"interrupted: continue with `python loop.py --resume {run}`"
-
-
-def test_the_console_shows_a_short_line_per_row_and_the_tracker_every_number(tmp_path, capsys):
-    """TensorBoard's event file, read back, holds each row's numbers at its iteration."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    run = tmp_path / "run"
-    loop.main([*quick(), "--iterations", "2", "--eval-every", "1", "--track", "tensorboard", "--out", str(run)])
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration ")]
-    assert len(lines) == 5 and all(len(line) < 100 for line in lines)
-    assert lines[1].startswith("iteration 1: reward ") and " TGC " in lines[2]
-    events = EventAccumulator(str(run / "tensorboard"))
-    events.Reload()
-    rows = loop.read_metrics(run / "metrics.jsonl")
-    for tag, key, split in [("train/reward_mean", "reward_mean", None), ("train/kl", "kl", None),
-                            ("train/grad_norm", "grad_norm", None), ("test/tgc", "tgc", "test")]:
-        logged = [(s.step, s.value) for s in events.Scalars(tag)]
-        expected = [(r["iteration"], r[key]) for r in rows if r.get("split") == split]
-        assert [step for step, _ in logged] == [step for step, _ in expected], tag
-        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6), tag
-    assert "train/per_task" not in events.Tags()["scalars"]
-
-
-def test_wandb_logs_offline_unless_configured_with_the_iteration_as_step(tmp_path, monkeypatch):
-    import importlib.machinery
-    import types
-    calls = []
-    wandb = types.ModuleType("wandb")
-    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-    wandb.api = types.SimpleNamespace(api_key=None)
-    wandb.init = lambda **kwargs: calls.append(("init", kwargs)) or wandb
-    wandb.log = lambda scalars, step: calls.append(("log", step, scalars))
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    run = tmp_path / "run"
-    loop.main([*quick(), "--iterations", "1", "--track", "wandb", "--out", str(run)])
-    (_, init), *logs = calls
-    assert init["mode"] == "offline" and init["dir"] == str(run) and init["config"]["track"] == "wandb"
-    rows = loop.read_metrics(run / "metrics.jsonl")
-    assert [step for _, step, _ in logs] == [r["iteration"] for r in rows] == [0, 1, 1]
-    assert logs[1][2]["train/reward_mean"] == pytest.approx(rows[1]["reward_mean"])
-
-
-def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkeypatch):
-    import importlib.util
-    find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find(name, *a))
-    code, err = _error(capsys, "--tiny", "--track", "tensorboard,wandb", "--out", str(tmp_path / "run"))
-    assert code == 2 and "pip install 'wandb<0.19'" in err and not (tmp_path / "run").exists()
-
-
-def test_play_prints_the_episodes_of_the_tasks_named(capsys):
-    play.main(["--tiny", "--task", "payback01_2", "--task", "order00_1", "--eval-max-turns", "2"])
-    out = capsys.readouterr().out
-    heads = re.findall(r"^=== (\w+): (\d) of (\d) checks passed$", out, flags=re.M)
-    assert [task for task, _, _ in heads] == ["payback01_2", "order00_1"]
-    assert out.count("--- assistant\n") >= 2 and "Pay back the last person" in out
-    with pytest.raises(SystemExit) as stop:
-        play.main(["--tiny", "--task", "nosuch_1"])
-    assert stop.value.code == 2 and "no task 'nosuch_1'" in capsys.readouterr().err
-
-
-def _hub(status):
-    """A Hugging Face hub on localhost whose every answer is `status` with the hub's error code."""
-    import http.server
-    import threading
-
-    class Hub(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(status)
-            self.send_header("X-Error-Code", "RepoNotFound")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-        do_HEAD = do_GET
-
-        def log_message(self, *args):
-            pass
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-@pytest.mark.parametrize("hub", ["offline", "unreachable", "not_found"])
-def test_a_model_that_cannot_be_loaded_says_why_and_leaves_no_run(tmp_path, hub):
-    """A hub id that is in no local cache: offline and an unreachable hub say so; a hub that answers
-    404 says the model does not exist. No run directory is left behind."""
-    server = _hub(404) if hub == "not_found" else None
-    env = dict(os.environ, HF_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1" if hub == "offline" else "0",
-               HF_ENDPOINT=f"http://127.0.0.1:{server.server_port if server else 1}")
-    r = _cli("--env", "tiny", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--eval", cwd=tmp_path, env=env, timeout=120)
-    if server:
-        server.shutdown()
-    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
-    if hub == "not_found":
-        assert "model Qwen/Qwen2.5-0.5B-Instruct does not exist" in lines[0]
-    else:
-        assert "not in the local Hugging Face cache, and the hub cannot be reached" in lines[0]
-        assert "does not exist" not in lines[0] and ("HF_HUB_OFFLINE" in lines[0]) == (hub == "offline")
-    assert not (tmp_path / "runs").exists()
-
-
-def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
-    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
-    shutil.copytree(SHIPPED, snapshot)
-    (snapshot.parent.parent / "refs").mkdir()
-    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
-    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
-    code = "import loop; m, t = loop.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env, timeout=120)
-    assert r.returncode == 0 and r.stdout.split()[-1] == "598", r.stderr[-1000:]
-    assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
-
-
-def test_settings_parse_without_the_source_file(tmp_path):
-    """Under `python -m cProfile` and from a compiled file alone (no loop.py beside it), --help is
-    the same text, and a run under cProfile trains."""
-    import py_compile
-    reference = _cli("--help").stdout
-    assert "K: rollouts per task" in reference
-    profiled = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p"), os.path.join(HERE, "loop.py"),
-                               "--help"],
-                              capture_output=True, text=True, timeout=600)
-    assert profiled.returncode == 0 and profiled.stdout == reference
-    shutil.copytree(os.path.join(HERE, "assets"), tmp_path / "assets")
-    shutil.copy(os.path.join(HERE, "tiny_config.json"), tmp_path)
-    for sibling in ("tiny_world.py", "chat.py"):  # the modules beside it
-        shutil.copy(os.path.join(HERE, sibling), tmp_path)
-    py_compile.compile(os.path.join(HERE, "loop.py"), cfile=str(tmp_path / "loop.pyc"), doraise=True)
-    compiled = subprocess.run([sys.executable, str(tmp_path / "loop.pyc"), "--help"], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=600)
-    words = compiled.stdout.replace("loop.pyc", "loop.py").split()  # the usage lines wrap one column later
-    assert compiled.returncode == 0 and words == reference.split()
-    run = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "profile"), os.path.join(HERE, "loop.py"),
-                          "--tiny", "--iterations", "1", "--tasks-per-iteration", "2", "--eval-every", "1",
-                          "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1, 1] and (tmp_path / "profile").stat().st_size > 0
-
-
-def test_bad_flag_and_missing_model_path(tmp_path, capsys):
-    r = _cli("--ratio", "sideways")  # one test through a real process: the exit code the shell sees
-    assert r.returncode == 2 and "--ratio" in r.stderr and "Traceback" not in r.stderr
-    code, err = _error(capsys, "--tiny", "--model", str(tmp_path / "no" / "such" / "model"), "--eval",
-                       "--out", str(tmp_path / "run"))
-    assert code == 2 and f"there is no directory {tmp_path / 'no' / 'such' / 'model'}" in err
-    code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
-    assert code == 2 and f"cannot load model {tmp_path}: " in err
-
-
-def _fake_runs(root):
-    """Two seeds of LOOP and of per-turn ratios, plus an evaluation-only run and an unfinished run,
-    which the report must leave out. TGC at iterations 0/10/20 and clip fractions are chosen by hand."""
-    runs = {"token-0": ("token", [0, .6, .9], [0, 0, 1 / 3], [.1, .3]), "token-1": ("token", [0, .4, .5], [0, 1 / 3, 1 / 3], [.1, .1]),
-            "turn-0": ("turn", [0, 0, .2], [0, 0, 0], [.4, .6]), "turn-1": ("turn", [0, .1, .4], [0, 0, 1 / 3], [.5, .5]),
-            "evalonly-0": ("token", [0], [0], []), "turn-2": ("turn", [0, .9], [0, 1], [.9])}
-    for name, (ratio, tgc, sgc, clip) in runs.items():
-        (root / name).mkdir()
-        its = 0 if name.startswith("evalonly") else 20
-        cfg = {"iterations": its, "ratio": ratio, "normalize_rewards": False, "seed": int(name[-1])}
-        (root / name / "config.json").write_text(json.dumps(cfg))
-        rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 20.0}
-                for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c, "kl": 2 * c, "seconds": 70.0}
-                                                              for i, c in enumerate(clip)]
-        (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with open(root / "token-1" / "metrics.jsonl", "a") as fh:
-        fh.write('{"iteration": 21, "clip_fr')  # a line cut short by a kill: left out
-    (root / "notes.txt").write_text("not a run")
-
-
-def test_ablation_report_by_hand(tmp_path, capsys):
-    _fake_runs(tmp_path)
-    ablation.main(["--report", str(tmp_path)])
-    # Per seed: LOOP 0 reaches 50% at 10 and 90% at 20, LOOP 1 50% at 20 and never 90%, per-turn
-    # neither. AUC by trapezoids over 0..20: LOOP 0 (10 * .3 + 10 * .75) / 20 = 52.5%, LOOP 1
-    # (2 + 4.5) / 20 = 32.5%, per-turn (0 + 1) / 20 = 5% and (.5 + 2.5) / 20 = 15%. Spread is
-    # min-max over seeds; per-turn's AUC minus LOOP's on the same seed: 5 - 52.5 and 15 - 32.5. KL
-    # is twice the clip fraction in these rows; the time is the rows' seconds summed, 3 x 20 + 2 x 70.
-    rows = capsys.readouterr().out.splitlines()
-    assert rows[2:4] == [
-        "| per-token (LOOP) | 2 | 15.0 (10-20) | 20.0 (20-20), 1 never | 42.5 (32.5-52.5) | - | 70.0 (50.0-90.0) | "
-        "33.3 (33.3-33.3) | 0.150 (0.100-0.200) | 0.300 (0.200-0.400) | 200 |",
-        "| per-turn | 2 | never | never | 10.0 (5.0-15.0) | -32.5 (-47.5 to -17.5) | 30.0 (20.0-40.0) | 16.7 (0.0-33.3) | "
-        "0.500 (0.500-0.500) | 1.000 (1.000-1.000) | 200 |"]
-    assert rows[7:] == ["| per-token (LOOP) | 0 | 10 | 20 | 52.5 | 90.0 | 33.3 | 0.200 | 0.400 |",
-                        "| per-token (LOOP) | 1 | 20 | - | 32.5 | 50.0 | 33.3 | 0.100 | 0.200 |",
-                        "| per-turn | 0 | - | - | 5.0 | 20.0 | 0.0 | 0.500 | 1.000 |",
-                        "| per-turn | 1 | - | - | 15.0 | 40.0 | 33.3 | 0.500 | 1.000 |"]
-    assert (tmp_path / "ablation.md").read_text().splitlines() == rows
-
-
-def test_ablation_report_draws_learning_curves(tmp_path):
-    pytest.importorskip("matplotlib", reason="the figure is optional: pip install matplotlib")
-    _fake_runs(tmp_path)
-    ablation.main(["--report", str(tmp_path)])
-    assert (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsys):
-    with pytest.raises(SystemExit) as stop:
-        ablation.main(["--report", str(tmp_path)])
-    assert stop.value.code == 2 and "no finished runs" in capsys.readouterr().err
-
-
-def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch):
-    quick = ["--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
-             "--eval-max-turns", "1", "--max-turns", "2"]
-    calls, main = [], loop.main
-
-    def counted(argv):
-        calls.append(argv)
-        return main(argv)
-    monkeypatch.setattr(loop, "main", counted)
-    ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
-    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
-    assert names == ["none-0", "rwnorm-0", "token-0", "trajectory-0", "turn-0"] and len(calls) == 5
-    for name in names:
-        cfg = json.loads((tmp_path / name / "config.json").read_text())
-        assert cfg["model"] == SHIPPED and cfg["iterations"] == 2 and cfg["seed"] == 0
-        assert [r["iteration"] for r in loop.read_metrics(tmp_path / name / "metrics.jsonl")] == [0, 1, 2, 2]
-    assert json.loads((tmp_path / "rwnorm-0" / "config.json").read_text())["normalize_rewards"]
-    assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
-    table = (tmp_path / "ablation.md").read_text().splitlines()
-    assert len(table) == 15 and table[2].startswith("| per-token (LOOP) | 1 |")
-    # Again, after one run was cut off before it saved its model: only that one runs, resumed.
-    import shutil
-    shutil.rmtree(tmp_path / "turn-0" / "model")
-    calls.clear()
-    ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
-    assert calls == [["--resume", str(tmp_path / "turn-0"), "--iterations", "2"]]
-    assert [r["iteration"] for r in loop.read_metrics(tmp_path / "turn-0" / "metrics.jsonl")] == [0, 1, 2, 2]
-
-
-def test_tiny_smoke_run_writes_metrics(tmp_path):
-    out = tmp_path / "run"
-    loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "reward_mean" in r and "split" not in r]
-    evals = [r for r in rows if r.get("split") == "test"]
-    assert [r["iteration"] for r in train] == [1, 2]
-    assert [r["iteration"] for r in evals] == [0, 1, 2]
-    for r in train:
-        assert {"reward_mean", "success_rate", "kl", "clip_fraction", "seconds"} <= set(r)
-        assert 0 <= r["reward_mean"] <= 1 and 0 <= r["clip_fraction"] <= 1 and math.isfinite(r["kl"])
-    for r in evals:
-        assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
-        assert len(r["per_task"]) == len(tiny_world.TinyWorld.tasks("test"))
-    assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
-    shown = (out / "transcripts" / "test_iter0002.txt").read_text()
-    heads = re.findall(r"^=== (\w+): \d of \d checks passed$", shown, flags=re.M)
-    assert heads == ["order00_1", "payback00_1", "phone00_1"]  # spread over the split's scenarios
-    # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
-    _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]))
-    _, shipped = loop.load_pretrained(loop.parse_config(["--tiny"]))
-    text = fence(make_tiny_model.demo(random.Random(0))[1][0])
-    assert loop.Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == loop.Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
-    assert tok(text)["input_ids"] == shipped(text)["input_ids"]
-    loop.main(["--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
-               "--out", str(tmp_path / "ev")])
-    again = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])
-    assert again["split"] == "test" and again["reward_mean"] == pytest.approx(evals[-1]["reward_mean"])
-    assert again["per_task"] == evals[-1]["per_task"] and again["iteration"] == 2  # trained for 2
-    assert (tmp_path / "ev" / "transcripts" / "test_iter0002.txt").read_text() == shown
-
-
-# Qwen2.5's chat template without its tool-calling branches: a default system prompt when none is
-# given, and a "\n" after every <|im_end|> that belongs to the template, not to the model.
-QWEN25_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
-@pytest.mark.parametrize("with_system", [True, False])
-def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
-    import copy
-    cfg, model, chat = tiny
-    tok = copy.deepcopy(chat.tok)
-    tok.chat_template = QWEN25_TEMPLATE
-    chat = loop.Chat(tok)
-    assert chat.pre == "\n<|im_start|>user\n" and chat.post == "<|im_end|>\n<|im_start|>assistant\n"
-    envs = [tiny_world.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
-    if not with_system:
-        for env in envs:
-            env.messages = (lambda m: lambda: m[1:])(env.messages())
-    torch.manual_seed(3)
-    for e in loop.rollout(model, chat, envs, ["payback02_1", "order04_2"], cfg, 1.0, 3):
-        rendered = tok.apply_chat_template(e.transcript[:-1], tokenize=False)
-        assert rendered.startswith("<|im_start|>system\n" + ("Apps:" if with_system else "You are Qwen"))
-        closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
-        assert tok.decode(e.ids) + closing == rendered
-
-
-# ---------------------------------------------------------------- chat-model families
-# Tokenizers built here in the shape of other families: their special tokens, eos, the ids their
-# generation_config.json stops on, and a chat template written in the family's shape (byte-level
-# BPE for all, trained on a few lines: the template is what differs).
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                   "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
-LLAMA3_TURNS = ("{%- for m in messages %}"
-                "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
-                "{%- endfor %}"
-                "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
-GEMMA_TURNS = ("{%- for m in messages %}"
-               "{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-               "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-               "{%- endif %}"
-               "{%- set role = 'model' if m.role == 'assistant' else m.role %}"
-               "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + m.content | trim + '<end_of_turn>\\n' }}"
-               "{%- endfor %}"
-               "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
-GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
-FAMILIES = {
-    "qwen2.5": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_end|>",
-                    generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=QWEN25_TEMPLATE),
-    "qwen3": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<think>", "</think>"],
-                  eos="<|im_end|>", generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=(
-        # the thinking of a reply before the last user message is dropped: not append-only
-        "{%- set ns = namespace(last_query=0) %}"
-        "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
-        "{%- for m in messages %}"
-        "{%- if m.role == 'assistant' %}"
-        "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') %}"
-        "{%- set thinking = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') if '</think>' in m.content else '' %}"
-        "{%- if loop.index0 > ns.last_query %}"
-        "{{- '<|im_start|>assistant\\n<think>\\n' + thinking + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
-        "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
-        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")),
-    "llama3.1": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|eot_id|>",
-                     generation_eos=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], eot="<|eot_id|>", template=(
-        # a system header of its own, with the system message's text after it
-        "{{- bos_token }}"
-        "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content | trim %}{%- set messages = messages[1:] %}"
-        "{%- else %}{%- set system = '' %}{%- endif %}"
-        "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' + system + '<|eot_id|>' }}"
-        + LLAMA3_TURNS)),
-    "llama3.0": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|end_of_text|>",
-                     generation_eos=["<|end_of_text|>"], eot="<|eot_id|>", template="{{- bos_token }}" + LLAMA3_TURNS),
-    "gemma2": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
-                   eot="<end_of_turn>", template=(
-        "{{- bos_token }}"
-        "{%- if messages[0].role == 'system' %}{{- raise_exception('System role not supported') }}{%- endif %}"
-        "{%- set prefix = '' %}" + GEMMA_TURNS)),
-    "gemma3": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
-                   eot="<end_of_turn>", template=(
-        # the system text starts the first user turn
-        "{{- bos_token }}"
-        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
-        "{%- else %}{%- set prefix = '' %}{%- endif %}" + GEMMA_TURNS)),
-    "phi3": dict(specials=["<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
-                 bos="<s>", eos="<|endoftext|>", generation_eos=["<|endoftext|>", "<|assistant|>", "<|end|>"], eot="<|end|>",
-                 template=("{%- for m in messages %}{{- '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{%- endfor %}"
-                           "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}")),
-    "mistral": dict(specials=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], bos="<s>", eos="</s>",
-                    generation_eos=["</s>"], eot="</s>", template=(
-        # the system text joins the first user message inside [INST] ... [/INST]
-        "{{- bos_token }}"
-        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
-        "{%- else %}{%- set prefix = '' %}{%- endif %}"
-        "{%- for m in messages %}"
-        "{%- if m.role == 'user' %}{{- '[INST] ' + (prefix if loop.first else '') + m.content + ' [/INST]' }}"
-        "{%- else %}{{- m.content + eos_token }}{%- endif %}"
-        "{%- endfor %}")),
-}
-STOP_IDS_OF = {"qwen2.5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
-               "llama3.1": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3.0": ["<|eot_id|>", "<|end_of_text|>"],
-               "gemma2": ["<end_of_turn>", "<eos>"], "gemma3": ["<end_of_turn>", "<eos>"],
-               "phi3": ["<|end|>", "<|endoftext|>", "<|assistant|>"], "mistral": ["</s>"]}
-CORPUS = [tiny_world.TinyWorld.SYSTEM, *tiny_world.TinyWorld.FAMILIES.values(), "Execution successful. Execution failed. KeyError",
-          "```python\nprint(apis.api_docs.show('shop'))\nprint(apis.supervisor.wishlist())\n```", "Let me look first.",
-          "apis.shop.kofi(item='lena') ordered sent to  12 the system user assistant model"]
-
-
-def family_tokenizer(name, sentencepiece=False):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    f = FAMILIES[name]
-    backend = Tokenizer(models.BPE())
-    if sentencepiece:  # a word at the start of a text gets "▁", as after a space
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-        backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-        alphabet = []
-    else:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=f["specials"], initial_alphabet=alphabet)
-    backend.train_from_iterator(CORPUS * 3, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=f.get("bos"), eos_token=f["eos"],
-                                  chat_template=f["template"], padding_side="left")
-    tok.add_tokens(f.get("added", []))  # Qwen3's <think>: added, but not special
-    return tok, tok.convert_tokens_to_ids(f["generation_eos"])
-
-
-# what a rollout of the tiny world could see: code replies; observations with the spaces and
-# newlines that `trim` removes, a one-word one, and one that starts with a number
-REPLIES = ["Let me look first.\n```python\nprint(apis.api_docs.show('shop'))\n```",
-           "```python\nprint(apis.supervisor.wishlist())\n```", "```python\napis.shop.kofi(item='lena')\n```"]
-OBSERVATIONS = ["apis.shop.kofi(item): orders an item\n", "  ['lena', 'kofi']  ", "12 ordered lena"]
-
-
-def _episode_and_rendering(chat, replies):
-    """An episode built turn by turn as rollout() builds it, and the template's rendering of the
-    same conversation, up to the next generation."""
-    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
-    e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
-    for turn, (reply, observation) in enumerate(zip(replies, OBSERVATIONS)):
-        loop.act(e, chat.encode(reply, literal=True) + [chat.eot], turn, chat)
-        loop.observe(e, observation, False, chat, cfg)
-    conversation = list(env.messages())
-    for reply, observation in zip(replies, OBSERVATIONS):
-        conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
-    return e, chat.encode(chat.render(conversation))
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_chat_follows_the_family_template(name):
-    tok, generation_eos = family_tokenizer(name)
-    chat = loop.Chat(tok, generation_eos)
-    assert chat.eot_text == FAMILIES[name]["eot"]
-    assert chat.stop_ids == sorted(tok.convert_tokens_to_ids(STOP_IDS_OF[name]))
-    folded = chat.fold_system  # the run says so in a note
-    assert folded == (name == "gemma2")
-    prompt = tok.decode(chat.prompt(tiny_world.TinyWorld("order00_1").messages()))
-    assert tiny_world.TinyWorld.SYSTEM in prompt and prompt.count(tok.bos_token or "\x00") <= 1
-    if folded or name in ("gemma3", "mistral"):  # the system text starts the first user message
-        assert tiny_world.TinyWorld.SYSTEM + "\n\n" + tiny_world.TinyWorld.FAMILIES["order"] in prompt
-    e, rendered = _episode_and_rendering(chat, REPLIES)
-    assert e.ids == rendered  # token for token, every observation where the template puts it
-    assert [i for i, out in zip(e.ids, e.is_output) if out].count(chat.eot) == len(REPLIES)
-
-
-@pytest.mark.parametrize("name", ["phi3", "mistral"])
-def test_an_observation_is_tokenized_where_it_stands(name):
-    """With a SentencePiece-style tokenizer an observation tokenized as a text of its own starts
-    with "▁"; in the conversation it follows the end-of-turn token. Its ids are the rendering's."""
-    chat = loop.Chat(*family_tokenizer(name, sentencepiece=True))
-    for observation in OBSERVATIONS:
-        conversation = [{"role": "user", "content": "task"}, {"role": "assistant", "content": REPLIES[0]},
-                        {"role": "user", "content": observation}]
-        rendered, ids = chat.encode(chat.render(conversation)), chat.observation(observation)
-        assert rendered[-len(ids) - 1] == chat.eot and rendered[-len(ids):] == ids  # right after the reply
-
-
-def test_qwen3_episode_keeps_the_thinking_its_template_drops():
-    """Qwen3's template renders earlier replies without their <think> block: the episode keeps the
-    ids that were sampled (what the update scores), so it is the rendering plus the thinking."""
-    chat = loop.Chat(*family_tokenizer("qwen3"))
-    thinking = "<think>\nLook at the docs first.\n</think>\n\n"
-    e, rendered = _episode_and_rendering(chat, [thinking + r for r in REPLIES])
-    assert e.ids != rendered
-    think = chat.encode(thinking)
-    for _ in REPLIES:  # take each turn's thinking out of the episode: the rendering is left
-        at = next(i for i in range(len(e.ids)) if e.ids[i:i + len(think)] == think)
-        assert all(e.is_output[at:at + len(think)])
-        del e.ids[at:at + len(think)], e.is_output[at:at + len(think)]
-    assert e.ids == rendered
-
-
-def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answer():
-    """QwQ-32B's and DeepSeek-R1-Distill's generation prompts end in "<think>\n": the sampled reply
-    holds "</think>" but no "<think>". A reply cut off while reasoning runs none of its drafts; a
-    finished one runs the code after "</think>". Qwen3's prompt opens nothing."""
-    tok, eos = family_tokenizer("qwen3")
-    assert loop.Chat(tok, eos).reply_start == ""
-    tok.chat_template = FAMILIES["qwen3"]["template"].replace(
-        "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
-    chat = loop.Chat(tok, eos)
-    assert chat.reply_start == "<think>\n" and chat.render([{"role": "user", "content": "u"}]).endswith("<think>\n")
-    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
-    e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
-    cut = "Draft:\n```python\napis.supervisor.complete_task(answer=0)"  # max_new_tokens reached
-    assert loop.act(e, chat.encode(cut, literal=True), 0, chat) == ""
-    assert e.transcript[-1]["content"] == "<think>\n" + cut  # the reply as the template renders it
-    done = "Look first.\n```python\nprint(0)\n```\n</think>\n\n```python\nprint(1)\n```"
-    assert loop.act(e, chat.encode(done, literal=True) + [chat.eot], 1, chat) == "print(1)"
-
-
-@pytest.mark.parametrize("name", ["qwen2.5", "llama3.0", "gemma2", "mistral"])
-def test_environment_text_that_spells_a_special_token_stays_text(name):
-    chat = loop.Chat(*family_tokenizer(name))
-    ids = chat.observation(f"printed {chat.eot_text} and {chat.tok.eos_token}, then more")
-    closing = chat.encode(chat.post)
-    assert chat.eot not in ids[:-len(closing)] and chat.tok.eos_token_id not in ids[:-len(closing)]
-    assert f"printed {chat.eot_text} and" in chat.tok.decode(ids)
-
-
-def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
-    tok, _ = family_tokenizer("qwen2.5")
-    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    with pytest.raises(ValueError, match="a turn could never end"):
-        loop.Chat(tok)
-    tok.chat_template = None
-    with pytest.raises(ValueError, match="has no chat template"):
-        loop.Chat(tok)
-
-
-# ---------------------------------------------------------------- AppWorld (the real package, offline)
-AW_LOGIN = '''pw = {p["account_name"]: p["password"] for p in apis.supervisor.show_account_passwords()}
-email = apis.supervisor.show_profile()["email"]
-tok = {a: apis[a].login(username=email, password=pw[a])["access_token"] for a in ("simple_note", "todoist")}
-'''
-
-
-def aw_solution(task_id, correct):
-    """A scripted agent's code: right, or wrong in a way that passes some tests."""
-    if task_id.startswith("5a0f1c2"):
-        p = AW_TASKS[task_id]["public"]
-        content, tags = (p["content"], [p["tag"]]) if correct else ("something else", [])
-        return AW_LOGIN + (f'apis.simple_note.create_note(title={p["title"]!r}, content={content!r}, tags={tags!r}, '
-                           'access_token=tok["simple_note"])\napis.supervisor.complete_task()')
-    return AW_LOGIN + f'''nid = apis.simple_note.search_notes(query="Weekend chores", access_token=tok["simple_note"])[0]["note_id"]
-chores = apis.simple_note.show_note(note_id=nid, access_token=tok["simple_note"])["content"].splitlines(){"" if correct else "[:2]"}
-pid = apis.todoist.create_project(name="Weekend", access_token=tok["todoist"])["project_id"]
-for c in chores:
-    apis.todoist.create_task(project_id=pid, title=c, access_token=tok["todoist"])
-apis.supervisor.complete_task(answer=len(chores))'''
-
-
-@pytest.fixture(scope="module")
-def appworld_root(tmp_path_factory):
-    try:
-        import appworld  # noqa: F401
-    except ImportError:
-        pytest.fail("appworld is a required dependency: pip install -r requirements.txt")
-    root = str(tmp_path_factory.mktemp("appworld"))
-    subprocess.run([sys.executable, os.path.join(HERE, "tools", "appworld_root.py"), root],
-                   check=True, capture_output=True, timeout=300)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("APPWORLD_ROOT", root)
-        yield root
-
-
-def test_appworld_scripted_policy_right_and_wrong(appworld_root):
-    assert loop.AppWorldEnv.tasks("fixture") == list(AW_TASKS)
-    first = next(iter(AW_TASKS))  # a wrong solution on one task: each world costs seconds to start
-    envs = {(t, ok): loop.AppWorldEnv(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS
-            for ok in (True, False) if ok or t == first}
-    for (task, correct), env in envs.items():
-        prompt = env.messages()[1]["content"]
-        assert AW_TASKS[task]["instruction"] in prompt and "Joyce Weaver" in prompt and "2023-05-18" in prompt
-        message = f"Let me do it.\n```python\n{aw_solution(task, correct)}\n```"
-        output = env.step(loop.extract_code(message))
-        assert "Execution failed" not in output and env.done, output
-        assert env.evaluate() == ((4, 4) if correct else (2, 4))
-
-
-def test_appworld_rollouts_are_isolated_and_a_dead_or_hung_worker_fails_its_episode(appworld_root):
-    envs = [loop.AppWorldEnv("5a0f1c2_1", 60.0, f"pytest-iso{k}") for k in range(3)]
-    for env in envs:
-        env.messages()
-    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
-    assert [env.step(count).strip() for env in envs] == ["1", "1", "1"]
-    envs[0].step(aw_solution("5a0f1c2_1", True))
-    assert [env.step(count).strip() for env in envs] == ["2", "1", "1"]  # K=3 worlds of one task, separate state
-    envs[1].worker.kill()
-    assert "failed" in envs[1].step("print(1)") and envs[1].done
-    os.kill(envs[2].worker.pid, signal.SIGSTOP)  # hung: alive, never answers
-    try:
-        started = time.monotonic()
-        assert envs[2].call(("execute", "print(1)"), wait=1.0) is None  # step waits timeout + 60 s
-        assert time.monotonic() - started < 5 and envs[2].failed and envs[2].done
-        envs[2].worker.join(5)
-        assert not envs[2].worker.is_alive()  # killed, not left behind
-    finally:
-        envs[2].worker.kill()  # a stopped child would hang the exit
-    assert "failed" in envs[2].step("print(1)") and envs[2].evaluate() is None  # no reward at all
-    assert envs[1].evaluate() is None and envs[0].evaluate() == (4, 4)
-
-
-def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root):
-    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
-    env = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-reuse-a")
-    env.messages()
-    env.step(aw_solution("5a0f1c2_1", True))
-    assert env.step(count).strip() == "2" and env.evaluate() == (4, 4)
-    with open(f"/proc/{env.worker.pid}/stat") as fh:
-        parent = int(fh.read().rsplit(")", 1)[1].split()[1])
-    assert parent != os.getpid()  # started by the forkserver, not forked from the trainer
-    again = loop.AppWorldEnv("5a0f1c2_2", 60.0, "pytest-reuse-b")
-    assert AW_TASKS["5a0f1c2_2"]["instruction"] in again.messages()[1]["content"]  # its world starts
-    assert again.worker.pid == env.worker.pid  # the idle worker took the next task
-    assert again.step(count).strip() == "1"  # in a world of its own: the first one's note is not there
-    again.step(aw_solution("5a0f1c2_2", True))
-    assert again.evaluate() == (4, 4)
-
-
-def test_an_idle_worker_that_died_is_replaced_not_handed_out(appworld_root):
-    env = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-idle-a")
-    env.messages()
-    env.step(aw_solution("5a0f1c2_1", True))
-    assert env.evaluate() == (4, 4) and loop.AppWorldEnv.idle[-1][0] is env.worker  # waits idle
-    env.worker.kill()  # dies while it waits
-    env.worker.join(5)
-    again = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-idle-b")
-    assert AW_TASKS["5a0f1c2_1"]["instruction"] in again.messages()[1]["content"]
-    assert again.worker is not env.worker and again.worker.is_alive()
-    again.step(aw_solution("5a0f1c2_1", True))
-    assert again.evaluate() == (4, 4) and not again.failed
-    assert all(worker.is_alive() for worker, _ in loop.AppWorldEnv.idle)
-
-
-def _scripted_turns(codes_of_turn):
-    """A stand-in for loop.generate whose turn t gives row i the code codes_of_turn(t)[i]."""
-    turn = [0]
-
-    def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
-        turn[0] += 1
-        return [chat.encode(fence(code)) + [chat.eot] for code in codes_of_turn(turn[0])[:len(prompts)]]
-    return generate
-
-
-def test_a_world_that_dies_mid_episode_leaves_its_group_and_counts_as_a_failure(tiny, appworld_root, monkeypatch,
-                                                                                 tmp_path):
-    """K=4 rollouts of one task: two solve it (reward 1), one is wrong (2 of 4 tests: 0.5), and the
-    fourth's world is killed before its second turn. That one leaves the group: the other three get
-    A = R - mean of the other two = 1 - 0.75 = 0.25 twice and 0.5 - 1 = -0.5, it gets none, is not
-    trained on and is counted in env_failures. In an evaluation, a task whose world dies is not completed."""
-    import copy
-    cfg = dataclasses.replace(tiny[0], env="appworld", tasks_per_iteration=1, rollouts_per_task=4, max_turns=2,
-                              code_timeout=30.0, max_context=4096)
-    made, advantages = [], []
-
-    class Recorded(loop.AppWorldEnv):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    def codes(turn):
-        if turn == 1:
-            return ["print(1)"] * 4
-        made[3].worker.kill()  # the fourth world dies between its turns
-        return [aw_solution("5a0f1c2_1", True)] * 2 + [aw_solution("5a0f1c2_1", False)] * 2
-
-    update = loop.update
-
-    def recording(model, opt, episodes, adv, cfg):
-        advantages.append(adv.tolist())
-        return update(model, opt, episodes, adv, cfg)
-    monkeypatch.setitem(loop.ENVS, "appworld", Recorded)
-    monkeypatch.setattr(loop, "generate", _scripted_turns(codes))
-    monkeypatch.setattr(loop, "update", recording)
-    model = copy.deepcopy(tiny[1])
-    row = loop.train_iteration(model, torch.optim.AdamW(model.parameters(), lr=1e-5), tiny[2], cfg, ["5a0f1c2_1"], 1)
-    (adv,) = advantages
-    assert adv[:3] == pytest.approx([0.25, 0.25, -0.5]) and math.isnan(adv[3])
-    assert row["env_failures"] == 1 and row["rollouts_used"] == 3 and row["steps"] > 0
-    assert row["reward_mean"] == pytest.approx(2.5 / 3)  # over the three worlds that held up
-    made.clear()
-
-    def solve_all_but_kill_the_last(turn):
-        made[2].worker.kill()  # 9d3e7b4_1's world, before the first step
-        return [aw_solution(task, True) for task in AW_TASKS]
-    monkeypatch.setattr(loop, "generate", _scripted_turns(solve_all_but_kill_the_last))
-    row = loop.evaluate(model, tiny[2], cfg, "fixture", 0, str(tmp_path))
-    assert row["per_task"] == {"5a0f1c2_1": True, "5a0f1c2_2": True, "9d3e7b4_1": False}
-    assert row["env_failures"] == 1 and row["tgc"] == pytest.approx(2 / 3)
+def test_behaviour_counts_looking_first_and_recovering(tiny):
+    """An episode looked first when its first turn's code reads the docs, and erred when it met an
+    error observation; recovered (in the metrics) is erred and still succeeded."""
+    cfg, _, chat = tiny
+    docs, order = 'print(apis.api_docs.show(app="shop"))', "apis.shop.order(item=1)"
+
+    def episode(codes, outputs):
+        e = loop.start_wave([(tiny_world.TinyWorld("order00_1"), "order00_1")], chat, cfg)[0]
+        for turn, (code, output) in enumerate(zip(codes, outputs)):
+            loop.act(e, chat.encode(fence(code)) + [chat.eot], turn, chat)
+            loop.observe(e, output, False, chat, cfg)
+        return e.looked_first, e.erred
+
+    assert episode([docs, "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"]) == (True, False)
+    assert episode([order, docs], ["Execution failed. AttributeError: x", "shop.buy(item)"]) == (False, True)
+    assert episode(["print(1)", docs], ["1", "Execution failed. KeyError: x"]) == (False, True)  # read late
+    assert episode(["Let me think."], ["Execution successful."]) == (False, False)  # no code at all
 
 
 def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_root):
@@ -1836,49 +1273,6 @@ def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_ro
         closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
         assert chat.tok.decode(e.ids) + closing == rendered
         assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output)) and 0 <= e.reward <= 1
-
-
-def aw_policy(text):
-    """Right on 5a0f1c2_1 and 9d3e7b4_1, wrong on 5a0f1c2_2 (2 of its 4 tests pass)."""
-    (task,) = [t for t, spec in AW_TASKS.items() if spec["instruction"] in text]
-    return aw_solution(task, correct=task != "5a0f1c2_2")
-
-
-def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, monkeypatch):
-    monkeypatch.setattr(loop, "generate", scripted_policy(aw_policy))
-    out = tmp_path / "run"
-    loop.main(["--eval", "--env", "appworld", "--split", "fixture", "--tiny", "--code-timeout", "30",
-               "--eval-max-turns", "2", "--max-context", "4096", "--out", str(out)])
-    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["split"] == "fixture" and row["per_task"] == {"5a0f1c2_1": True, "5a0f1c2_2": False, "9d3e7b4_1": True}
-    assert row["tgc"] == pytest.approx(2 / 3) and row["sgc"] == pytest.approx(1 / 2)
-    assert row["reward_mean"] == pytest.approx((1 + 2 / 4 + 1) / 3)
-    appworld_cli = os.path.join(os.path.dirname(sys.executable), "appworld")
-    r = subprocess.run([appworld_cli, "evaluate", row["appworld_experiment"], "fixture", "--root", appworld_root],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    path = os.path.join(appworld_root, "experiments", "outputs", row["appworld_experiment"], "evaluations", "fixture.json")
-    with open(path) as fh:
-        official = json.load(fh)["individual"]
-    assert {t: v["success"] for t, v in official.items()} == row["per_task"]
-
-
-def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
-    import dataclasses
-    cfg, _, chat = tiny
-    cfg = dataclasses.replace(cfg, env="appworld", max_obs_tokens=3000, max_context=32768)
-    env = loop.AppWorldEnv("5a0f1c2_1", 30.0, "pytest-flood")
-    e = loop.start_wave([(env, "5a0f1c2_1")], chat, cfg)[0]
-    env.step("1")  # the world is up and its REPL has run once
-    start = time.monotonic()
-    code = loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, chat)
-    loop.observe(e, env.step(code), False, chat, cfg)
-    assert time.monotonic() - start < 1.0
-    observation = e.transcript[-1]["content"]
-    assert observation.endswith(" characters, showing the first 3000 tokens]")  # 2,000,000 x and a newline
-    assert "\n[output truncated: 2000001 characters" in observation
-    assert 3000 <= len(observation) < 4000
-    env.evaluate()
 
 
 def _steps(envs, codes):
@@ -2070,56 +1464,12 @@ def test_an_error_in_a_rollout_kills_its_worlds_and_is_raised(tiny, appworld_roo
     assert _appworld_workers() == 0
 
 
-def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypatch):
-    """Two worlds of a wave take a worker at once while one is idle: one gets it, the other a new
-    one. Unlocked, both saw the pool non-empty and the second pop() failed (a pool whose length
-    takes a while makes the race certain)."""
-    class Worker:
-        def is_alive(self):
-            return True
-
-    class SlowPool(list):
-        def __len__(self):
-            n = super().__len__()
-            time.sleep(0.05)  # the other thread runs meanwhile
-            return n
-    monkeypatch.setattr(loop.AppWorldEnv, "idle", SlowPool([(Worker(), "idle")]))
-    monkeypatch.setattr(loop.AppWorldEnv, "start_worker", staticmethod(lambda: (Worker(), "new")))
-    taken = loop.concurrently([loop.AppWorldEnv.take_worker] * 2)
-    assert sorted(conn for _, conn in taken) == ["idle", "new"]
-
-
-def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
-    code, err = _error(capsys, "--eval", "--env", "appworld", "--split", "test_normal", "--tiny")
-    assert code == 2 and "appworld download data" in err
-
-
-# ---------------------------------------------------------------- scaling: chunked log-probs, LoRA, FSDP, checkpoints
-def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
-    torch.manual_seed(0)
-    grads = []
-    for chunk in (3, 10_000):  # many small chunks vs one chunk holding every position
-        head = torch.nn.Linear(16, 50, bias=False)
-        head.weight.data = torch.randn(50, 16, generator=torch.Generator().manual_seed(1))
-        loop.chunked_logprob_head(head, chunk)
-        h = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
-        y = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
-        head.scoring = (y, 0.7, None)
-        lp = head(h)
-        (lp * torch.linspace(-1, 1, 7)).sum().backward()
-        grads.append((lp.detach(), h.grad, head.weight.grad))
-    full = torch.log_softmax(h[:, :7].detach() @ head.weight.detach().T / 0.7, -1).gather(-1, y[..., None]).squeeze(-1)
-    assert torch.allclose(grads[0][0], full, atol=1e-6)
-    for a, b in zip(grads[0], grads[1]):
-        assert torch.allclose(a, b, atol=1e-6)
-    head.scoring = None
-    assert head(h).shape == (2, 8, 50)  # without targets it is the plain head (generation)
-
-
-# ---------------------------------------------------------------- sampling = scoring, every family
 SAMPLING_TOLERANCE = 2e-5  # nats, fp32 on a CPU: kernel numerics (measured: at most 1.5e-6)
+
+
 WINDOW = 24  # tokens: shorter than every episode below, so a sliding window always bites
+
+
 ARCHITECTURES = {  # chat family (its tokenizer and template), config class, what makes it differ
     "qwen2": ("qwen2.5", "Qwen2Config", {}),
     "llama": ("llama3.1", "LlamaConfig", {}),
@@ -2283,6 +1633,284 @@ def test_what_generation_sampled_is_what_the_update_scores_on_two_fsdp_ranks(tmp
             assert rank["worst"] < SAMPLING_TOLERANCE, (name, rank["worst"])
 
 
+# ---------------- 5. Leave-one-out advantages (Eq. 3)
+def test_loo_advantages_k2():
+    adv = loop.loo_advantages(torch.tensor([[1.0, 0.0], [0.25, 0.75]]))
+    assert torch.allclose(adv, torch.tensor([[1.0, -1.0], [-0.5, 0.5]]))
+
+
+def test_loo_advantages_k6_by_hand():
+    r = torch.tensor([[1.0, 0.0, 0.5, 0.5, 0.25, 0.75]])
+    # A_0 = 1 - (0 + .5 + .5 + .25 + .75)/5 = 0.6; A_1 = 0 - 3/5 = -0.6; A_4 = .25 - 2.75/5 = -0.3
+    expected = torch.tensor([[0.6, -0.6, 0.0, 0.0, -0.3, 0.3]])
+    assert torch.allclose(loop.loo_advantages(r), expected, atol=1e-6)
+
+
+def test_loo_advantages_equal_returns_are_zero():
+    assert torch.equal(loop.loo_advantages(torch.full((3, 6), 0.7)), torch.zeros(3, 6))
+
+
+def test_reward_normalisation_divides_by_the_population_std_as_the_reference_code():
+    # K=2: A = [1, -1], population std of [1, 0] = 0.5 (the sample std would be 0.7071)
+    assert torch.allclose(loop.loo_advantages(torch.tensor([[1.0, 0.0]]), normalize=True),
+                          torch.tensor([[2.0, -2.0]]))
+    # K=3, R = [1, 0, 0]: A = 3/2 (R - 1/3) = [1, -0.5, -0.5]; std = sqrt(2/9) = 0.47140
+    adv = loop.loo_advantages(torch.tensor([[1.0, 0.0, 0.0]]), normalize=True)
+    assert torch.allclose(adv, torch.tensor([[2.12132, -1.06066, -1.06066]]), atol=1e-5)
+    # equal returns: std 0 is floored at 1e-7, so A stays 0 instead of 0/0
+    assert torch.equal(loop.loo_advantages(torch.full((2, 3), 0.5), normalize=True), torch.zeros(2, 3))
+
+
+def test_a_failed_rollout_leaves_its_group_and_the_others_keep_exact_leave_one_out_advantages():
+    rewards = torch.tensor([[1.0, 1.0, 0.5, 0.0], [0.3, 0.9, 0.0, 0.0], [1.0, 0.0, 0.5, 0.25]])
+    valid = torch.tensor([[True, True, True, False], [True, False, False, False], [True] * 4])
+    adv = loop.loo_advantages(rewards, valid=valid)
+    # group 0, K' = 3: 1 - (1 + 0.5)/2 = 0.25 twice, 0.5 - (1 + 1)/2 = -0.5; the failed one: none
+    assert adv[0, :3].tolist() == pytest.approx([0.25, 0.25, -0.5]) and adv[0, 3].isnan()
+    assert adv[1].isnan().all()  # one left: no leave-one-out group
+    assert torch.equal(adv[2], loop.loo_advantages(rewards[2:])[0])  # no failure: Eq. 3 as ever
+    # RwNorm over the three left: population std of [1, 1, 0.5] = sqrt(1/18)
+    normed = loop.loo_advantages(rewards[:1], normalize=True, valid=valid[:1])[0, :3]
+    assert normed.tolist() == pytest.approx([0.25 * 18 ** 0.5, 0.25 * 18 ** 0.5, -0.5 * 18 ** 0.5])
+
+
+def test_a_world_that_dies_mid_episode_leaves_its_group_and_counts_as_a_failure(tiny, appworld_root, monkeypatch,
+                                                                                 tmp_path):
+    """K=4 rollouts of one task: two solve it (reward 1), one is wrong (2 of 4 tests: 0.5), and the
+    fourth's world is killed before its second turn. That one leaves the group: the other three get
+    A = R - mean of the other two = 1 - 0.75 = 0.25 twice and 0.5 - 1 = -0.5, it gets none, is not
+    trained on and is counted in env_failures. In an evaluation, a task whose world dies is not completed."""
+    import copy
+    cfg = dataclasses.replace(tiny[0], env="appworld", tasks_per_iteration=1, rollouts_per_task=4, max_turns=2,
+                              code_timeout=30.0, max_context=4096)
+    made, advantages = [], []
+
+    class Recorded(loop.AppWorldEnv):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    def codes(turn):
+        if turn == 1:
+            return ["print(1)"] * 4
+        made[3].worker.kill()  # the fourth world dies between its turns
+        return [aw_solution("5a0f1c2_1", True)] * 2 + [aw_solution("5a0f1c2_1", False)] * 2
+
+    update = loop.update
+
+    def recording(model, opt, episodes, adv, cfg):
+        advantages.append(adv.tolist())
+        return update(model, opt, episodes, adv, cfg)
+    monkeypatch.setitem(loop.ENVS, "appworld", Recorded)
+    monkeypatch.setattr(loop, "generate", _scripted_turns(codes))
+    monkeypatch.setattr(loop, "update", recording)
+    model = copy.deepcopy(tiny[1])
+    row = loop.train_iteration(model, torch.optim.AdamW(model.parameters(), lr=1e-5), tiny[2], cfg, ["5a0f1c2_1"], 1)
+    (adv,) = advantages
+    assert adv[:3] == pytest.approx([0.25, 0.25, -0.5]) and math.isnan(adv[3])
+    assert row["env_failures"] == 1 and row["rollouts_used"] == 3 and row["steps"] > 0
+    assert row["reward_mean"] == pytest.approx(2.5 / 3)  # over the three worlds that held up
+    made.clear()
+
+    def solve_all_but_kill_the_last(turn):
+        made[2].worker.kill()  # 9d3e7b4_1's world, before the first step
+        return [aw_solution(task, True) for task in AW_TASKS]
+    monkeypatch.setattr(loop, "generate", _scripted_turns(solve_all_but_kill_the_last))
+    row = loop.evaluate(model, tiny[2], cfg, "fixture", 0, str(tmp_path))
+    assert row["per_task"] == {"5a0f1c2_1": True, "5a0f1c2_2": True, "9d3e7b4_1": False}
+    assert row["env_failures"] == 1 and row["tgc"] == pytest.approx(2 / 3)
+
+
+# ---------------- 6. The clipped objective (Eq. 5) and its variants
+# One rollout: tokens 0 and 4 are environment tokens, 1-2 form turn 0 and 3 forms turn 1.
+# log ratios on the output tokens: log 1.5, log 0.5, log 1.05; eps = 0.1 -> clip to [1/1.1, 1.1].
+MASK = torch.tensor([[False, True, True, True, False]])
+
+
+TURN = torch.tensor([[-1, 0, 0, 1, -1]])
+
+
+OLD = torch.tensor([[-1.0, -2.0, -1.0, -3.0, -0.5]])
+
+
+def _loss(adv, ratios, ratio_kind, env_logp=(0.3, -4.0)):
+    logp = OLD.clone()
+    logp[0, 1:4] += torch.log(torch.tensor(ratios))
+    logp[0, 0], logp[0, 4] = env_logp
+    logp.requires_grad_(True)
+    loss, n_clipped = loop.loop_loss(logp, OLD, torch.tensor([adv]), MASK, TURN, ratio_kind, 0.1)
+    loss.sum().backward()
+    return loss.item(), logp.grad[0].tolist(), int(n_clipped)
+
+
+def test_per_token_objective_positive_advantage():
+    loss, grad, n_clipped = _loss(2.0, [1.5, 0.5, 1.05], "token")
+    # min(1.5*2, 1.1*2)=2.2 clipped; min(0.5*2, 0.909*2)=1.0; min(2.1, 2.1)=2.1 -> loss -(5.3)/3
+    assert loss == pytest.approx(-5.3 / 3, abs=1e-5)
+    assert grad == pytest.approx([0.0, 0.0, -1.0 / 3, -2.1 / 3, 0.0], abs=1e-5)  # zero where clipped
+    assert n_clipped == 1
+
+
+def test_per_token_objective_negative_advantage():
+    loss, grad, n_clipped = _loss(-1.0, [1.5, 0.5, 1.05], "token")
+    # min(-1.5, -1.1)=-1.5; min(-0.5, -0.909)=-0.909 clipped; -1.05 -> loss (1.5+1/1.1+1.05)/3
+    assert loss == pytest.approx((1.5 + 1 / 1.1 + 1.05) / 3, abs=1e-5)
+    assert grad == pytest.approx([0.0, 0.5, 0.0, 0.35, 0.0], abs=1e-5)
+    assert n_clipped == 1
+
+
+def test_per_turn_objective():
+    loss, grad, _ = _loss(2.0, [1.5, 0.5, 1.05], "turn")
+    # turn 0 ratio 0.75 (unclipped: 1.5 < 1.818), turn 1 ratio 1.05 -> per token [1.5, 1.5, 2.1]
+    assert loss == pytest.approx(-5.1 / 3, abs=1e-5)
+    # d/dlogp_1 = -(r0 A + r0 A)/3 = -1.0 (both tokens of turn 0 carry r0), d/dlogp_3 = -2.1/3
+    assert grad == pytest.approx([0.0, -1.0, -1.0, -0.7, 0.0], abs=1e-5)
+
+
+def test_per_turn_objective_clipped_turn_has_zero_gradient():
+    loss, grad, _ = _loss(2.0, [1.5, 1.0, 1.0], "turn")  # turn 0 ratio 1.5 -> clipped at 1.1
+    assert loss == pytest.approx(-(2.2 + 2.2 + 2.0) / 3, abs=1e-5)
+    assert grad == pytest.approx([0.0, 0.0, 0.0, -2.0 / 3, 0.0], abs=1e-5)
+
+
+def test_per_trajectory_objective():
+    loss, grad, _ = _loss(2.0, [1.5, 0.5, 1.05], "trajectory")
+    r = 1.5 * 0.5 * 1.05  # 0.7875, unclipped for A > 0
+    assert loss == pytest.approx(-r * 2.0, abs=1e-5)
+    assert grad == pytest.approx([0.0, -r * 2, -r * 2, -r * 2, 0.0], abs=1e-5)
+    loss, grad, n_clipped = _loss(2.0, [1.5, 1.0, 1.0], "trajectory")  # ratio 1.5 -> clipped
+    assert loss == pytest.approx(-2.2, abs=1e-5) and grad == pytest.approx([0.0] * 5, abs=1e-7)
+    assert n_clipped == 3
+
+
+def _eq5_unbounded(logp, adv, kind, eps=0.1):
+    """Eq. 5 as written for the rollout of MASK with one turn, in float64, log r unbounded."""
+    r = (logp - OLD.double())[0, 1:4].sum().exp()  # one turn: the turn's ratio is the rollout's
+    return -torch.minimum(r * adv, r.clamp(1 / (1 + eps), 1 + eps) * adv).mean()
+
+
+@pytest.mark.parametrize("kind", ["turn", "trajectory"])
+@pytest.mark.parametrize("adv", [0.5, -0.5, 0.0])
+def test_a_summed_log_ratio_of_any_size_keeps_loss_and_gradient_finite(kind, adv):
+    """A summed log r from -300 to 300 (exp overflows past 88.7 in float32): for every sign of A
+    the loss and the gradient stay finite; where |sum log r| <= 40 both are Eq. 5's, unbounded, to
+    float32 precision. Unbounded, A < 0 gave an inf loss, A = 0 a NaN, A > 0 a NaN gradient."""
+    turn = torch.tensor([[-1, 0, 0, 0, -1]])  # for "turn" the three output tokens are one turn
+    for total in [-300.0, -100.0, -40.0, -5.0, -0.05, 0.0, 0.04, 0.3, 5.0, 40.0, 88.0, 100.0, 300.0]:
+        logp = OLD.clone()
+        logp[0, 1:4] += torch.tensor([0.5, 0.3, 0.2]) * total
+        logp.requires_grad_(True)
+        loss, _ = loop.loop_loss(logp, OLD, torch.tensor([adv]), MASK, turn, kind, 0.1)
+        loss.sum().backward()
+        assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all(), (total, loss, logp.grad)
+        if abs(total) <= 40:
+            exact = logp.detach().double().requires_grad_(True)
+            reference = _eq5_unbounded(exact, adv, kind)
+            reference.backward()
+            assert loss.item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-6), total
+            assert logp.grad.double() == pytest.approx(exact.grad, rel=1e-5, abs=1e-6), total
+    # A > 0 past the clip: -1.1 A and no gradient, the tokens counted as clipped
+    logp = OLD.clone()
+    logp[0, 1:4] += torch.tensor([40.0, 30.0, 30.0])
+    logp.requires_grad_(True)
+    loss, n_clipped = loop.loop_loss(logp, OLD, torch.tensor([0.5]), MASK, turn, kind, 0.1)
+    loss.sum().backward()
+    assert loss.item() == pytest.approx(-0.55) and n_clipped == 3
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+@pytest.mark.parametrize("kind", ["token", "turn", "trajectory", "none"])
+def test_objectives_accept_float64(kind):
+    single = _loss(2.0, [1.5, 0.5, 1.05], kind)
+    logp = OLD.double().clone()
+    logp[0, 1:4] += torch.log(torch.tensor([1.5, 0.5, 1.05], dtype=torch.float64))
+    loss, _ = loop.loop_loss(logp, OLD.double(), torch.tensor([2.0], dtype=torch.float64), MASK, TURN, kind, 0.1)
+    assert loss.dtype == torch.float64 and loss.item() == pytest.approx(single[0], abs=1e-6)
+
+
+def test_on_policy_rloo_objective():
+    logp = torch.tensor([[-9.0, -1.0, -2.0, -3.0, 5.0]], requires_grad=True)
+    loss, _ = loop.loop_loss(logp, OLD, torch.tensor([2.0]), MASK, TURN, "none", 0.1)
+    loss.sum().backward()
+    assert loss.item() == pytest.approx(4.0)  # -A * mean(-1, -2, -3)
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -2 / 3, -2 / 3, -2 / 3, 0.0])
+
+
+@pytest.mark.parametrize("kind", ["token", "turn", "trajectory", "none"])
+def test_environment_tokens_cannot_change_the_loss(kind):
+    a = _loss(1.3, [1.2, 0.7, 1.0], kind, env_logp=(0.3, -4.0))
+    b = _loss(1.3, [1.2, 0.7, 1.0], kind, env_logp=(-50.0, 7.0))
+    assert a[0] == pytest.approx(b[0], abs=1e-6)
+    assert a[1][0] == a[1][4] == 0.0  # no gradient reaches a context token
+
+
+# ---------------- 7. The training step: update, micro-batches, FSDP
+def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
+    cfg, model, chat = tiny
+    eps = episodes[0]
+    ids, attn, is_out, turn = loop.pad_batch(eps)
+    logp = loop.token_logprobs(model, ids, attn, 1.0).detach().requires_grad_(True)
+    loss, _ = loop.loop_loss(logp, logp.detach() - 0.05, torch.tensor([1.0, -1.0, 0.5, 2.0]),
+                             is_out[:, 1:] & attn[:, 1:].bool(), turn[:, 1:])
+    loss.sum().backward()
+    assert (logp.grad[~is_out[:, 1:]] == 0).all()
+    assert (logp.grad[is_out[:, 1:]] != 0).any()
+
+
+def _mean_output_logp(model, e):
+    """Mean log-probability, at T = 1, of the tokens the policy sampled in episode e."""
+    ids, attn, is_out, _ = loop.pad_batch([e])
+    with torch.no_grad():
+        return loop.token_logprobs(model, ids, attn, 1.0)[is_out[:, 1:]].mean().item()
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_one_update_moves_the_sampled_tokens_the_way_the_advantage_says(tiny, episodes, monkeypatch, advantage):
+    """No weight decay, so only the gradient moves the weights; the gradient of the objective reaches
+    the log-prob at position t exactly where token t+1 was sampled (is_output[1:]), nowhere else."""
+    import copy
+    cfg, model, chat = tiny
+    e = episodes[0][0]
+    m = copy.deepcopy(model)
+    before = _mean_output_logp(m, e)
+    trained, original = [], loop.token_logprobs
+
+    def recording(model, ids, attn, temperature):
+        logp = original(model, ids, attn, temperature)
+        if logp.requires_grad:  # the training pass, not the old log-probs
+            logp.retain_grad()
+            trained.append(logp)
+        return logp
+    monkeypatch.setattr(loop, "token_logprobs", recording)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0)
+    one_step = loop.dataclasses.replace(cfg, epochs=1, minibatch_size=1, micro_batch_size=1)
+    assert loop.update(m, opt, [e], torch.tensor([advantage]), one_step)["steps"] == 1
+    assert (_mean_output_logp(m, e) - before) * advantage > 0
+    (logp,) = trained
+    assert torch.equal(logp.grad[0] != 0, torch.tensor(e.is_output[1:]))
+    assert sum(e.is_output) < len(e.ids) - 1  # the episode does hold context tokens
+
+
+def test_update_drops_rollouts_without_signal(tiny, episodes):
+    import copy
+    cfg, model, chat = tiny
+    opt = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=1e-5)
+    stats = loop.update(copy.deepcopy(model), opt, episodes[0], torch.tensor([1.0, -1.0, 0.005, 0.5]), cfg)
+    assert stats["rollouts_used"] == 3  # |A| = 0.005 < 0.01 is dropped
+    assert stats["steps"] == cfg.epochs and not stats["abandoned"]
+
+
+def test_high_kl_abandons_the_iteration(tiny, episodes):
+    cfg, model, chat = tiny
+    import copy
+    import dataclasses
+    m = copy.deepcopy(model)
+    small = dataclasses.replace(cfg, minibatch_size=1, micro_batch_size=1, max_kl=1e-9, lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    stats = loop.update(m, opt, episodes[0], torch.tensor([1.0, -1.0, 1.0, -1.0]), small)
+    assert stats["abandoned"] and stats["steps"] == 1  # first step ran (KL 0), the second saw KL > 0
+
+
 def _synthetic_episodes(chat, n=8, seed=0):
     """Rollouts of different lengths and turn structure, the same on every rank and process."""
     g, eps = random.Random(seed), []
@@ -2321,23 +1949,6 @@ def _update_once(lora, fsdp=False, rollout_first=False):
     summary = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "steps": stats["steps"],
                "local_params": local, "params": sum(p.numel() for p in model.parameters())}
     return summary, model, opt
-
-
-class _Scripted:
-    """An environment that ends after a fixed number of turns, whatever the agent writes."""
-    def __init__(self, turns):
-        self.turns, self.done = turns, False
-
-    def messages(self):
-        return [{"role": "user", "content": "wait"}]
-
-    def step(self, code):
-        self.turns -= 1
-        self.done = self.turns == 0
-        return "ok"
-
-    def evaluate(self):
-        return 1, 1
 
 
 def _fsdp_worker(out):
@@ -2403,12 +2014,6 @@ def _count_all_gathers_in_rollouts():
     return counts
 
 
-def _torchrun(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29500 + os.getpid() % 1000), *args],
-                          capture_output=True, text=True, cwd=HERE, timeout=timeout)
-
-
 def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
     r = _torchrun(os.path.join(HERE, "test_loop.py"), "fsdp_worker", str(tmp_path / "out.json"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -2458,128 +2063,6 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
             "order00_1", "order00_2", "order00_3", "phone01_1", "phone01_2"}
         assert len(rank["eval"]["per_task"]) == 27
         assert rank["eval"]["tgc"] == pytest.approx(5 / 27) and rank["eval"]["sgc"] == pytest.approx(1 / 9)
-
-
-def _rss_mb(field="VmRSS"):
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith(field)) / 1024
-
-
-def _one_read_worker(out, folder, *flags):
-    """Both ranks load the model under --fsdp: rank 1's host memory growth (peak resident set) and
-    buffers, and then the whole model gathered from the shards."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    loop.start_distributed()
-    rank = loop.RANK
-    loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]))  # imports done
-    before = _rss_mb()
-    model, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
-    growth = _rss_mb("VmHWM") - before
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:  # (cpu_offload: rank 0 alone holds the gathered weights)
-        torch.save(weights, out + ".weights")
-    if rank == 1:
-        torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth,
-                    "parameters": len(list(model.parameters()))}, out)  # tied ones count once
-    dist.barrier()  # as the other workers end: a rank that exits with gloo up may abort (SIGABRT)
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("flags", [[], ["--lora", "--bf16"]])
-def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
-    """A random model of 466 MB (fp32) loaded on 2 gloo ranks: rank 1 builds it on the meta device
-    and receives its shards from rank 0, so its host memory grows by about its half (233 MB), well
-    below the model's size (before: every rank read the whole model first); its weights, LoRA
-    adapter included, buffers (RoPE's inv_freq, in no state dict) and tied weights are a one-process
-    load's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-    folder = str(tmp_path / "model")
-    tok = AutoTokenizer.from_pretrained(SHIPPED)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    size_mb = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    del model
-    r = _torchrun(os.path.join(HERE, "test_loop.py"), "one_read_worker", str(tmp_path / "rank1.pt"), folder, *flags)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.load(tmp_path / "rank1.pt") | {"weights": torch.load(tmp_path / "rank1.pt.weights")}
-    assert 400 < size_mb < 600
-    if not flags:  # (bf16 halves it: then the allocator's ~80 MB of slack would decide)
-        assert got["growth_mb"] < 0.75 * size_mb, got["growth_mb"]  # measured 310; before, 500
-    single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]))
-    expected = single.state_dict()
-    assert got["parameters"] == len(list(single.parameters()))  # the embedding is still the head
-    assert got["weights"].keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(got["weights"][name], tensor), name
-    buffers = dict(single.named_buffers())
-    assert buffers and got["buffers"].keys() == buffers.keys()
-    for name, tensor in buffers.items():
-        assert torch.equal(got["buffers"][name], tensor), name
-
-
-@pytest.fixture(scope="module")
-def qwen32b():
-    """Qwen2.5-32B-Instruct's shape on the meta device: no memory, the real KV size per token."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-    config = Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                         num_attention_heads=40, num_key_value_heads=8)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-
-
-def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_first(qwen32b, monkeypatch, capsys):
-    """The README's 8-GPU command with the default --batch-episodes: 6 episodes of 32k tokens of
-    Qwen2.5-32B are 48 GiB of KV cache (262,144 bytes a token), which fit the 71 GB an 80 GB GPU has
-    free beside the sharded LoRA states (docs/scaling.md's table: 8.4 GB). With 30 GiB free the run
-    stops with one line that says what to set; the old default (256 a rank) needed 2 TiB."""
-    free = {"bytes": int(80e9 - 8.4e9)}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (free["bytes"], int(80e9)))
-    cfg = loop.parse_config(["--fsdp", "--bf16", "--lora", "--activation-checkpointing", "--train-split", "train_paper",
-                             "--split", "dev", "--micro-batch-size", "1"])
-    assert cfg.model == "Qwen/Qwen2.5-32B-Instruct" and cfg.max_context == 32768 and cfg.batch_episodes == 6
-    loop.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)  # fits: nothing happens
-    free["bytes"] = 30 * 2**30
-    with pytest.raises(SystemExit) as stop:
-        loop.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1
-    assert "6 episodes of up to 32768 tokens needs 48.0 GiB" in err and "set --batch-episodes 3 or lower" in err
-    with pytest.raises(SystemExit):  # the old default
-        loop.check_kv_cache(dataclasses.replace(cfg, batch_episodes=256), qwen32b, 30)
-    free["bytes"] = 4 * 2**30  # not one episode at the cap
-    with pytest.raises(SystemExit):
-        loop.check_kv_cache(cfg, qwen32b, 1)
-    assert "set --max-context 16384 or lower" in capsys.readouterr().err
-    # gathered for sampling, the 65 GB of bf16 weights leave no room for one episode on 80 GB
-    free["bytes"] = int(80e9 - 8.4e9)
-    with pytest.raises(SystemExit):
-        loop.check_kv_cache(dataclasses.replace(cfg, rollout_full_weights=True), qwen32b, 1)
-    assert "--max-context" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("flags, wave", [([], 72), (["--batch-episodes", "500"], 72), (["--eval"], 27),
-                                         (["--batch-episodes", "4"], 4)])
-def test_a_run_whose_wave_cannot_fit_the_gpu_stops_before_its_first_rollout(qwen32b, monkeypatch, capsys,
-                                                                             tmp_path, flags, wave):
-    """A run on a (patched) GPU with 1 GiB free: it stops before any rollout and leaves no run
-    directory. The wave it checks is what a rollout plays: --tiny's 6 tasks x 12 rollouts, at most
-    --batch-episodes; an evaluation-only run its 27 test tasks."""
-    from transformers import AutoTokenizer
-    monkeypatch.setattr(loop, "DEVICE", torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (2**30, int(80e9)))
-    tok = AutoTokenizer.from_pretrained(SHIPPED)
-    monkeypatch.setattr(loop, "load_model_and_tokenizer", lambda cfg: (qwen32b, tok))
-    monkeypatch.setattr(loop, "rollout", None)  # a rollout would raise: 'NoneType' is not callable
-    with pytest.raises(SystemExit) as stop:
-        loop.main(["--tiny", *flags, "--out", str(tmp_path / "run")])
-    assert stop.value.code == 2 and not (tmp_path / "run").exists()
-    assert f"error: a wave of {wave} episodes of up to 1024 tokens needs" in capsys.readouterr().err
 
 
 def test_micro_batches_accumulate_to_the_minibatch_gradient():
@@ -2713,6 +2196,89 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     assert all("lora_" in k for k in keys if k.startswith("model."))
 
 
+# ---------------- 8. Evaluation: TGC and SGC
+def _docs_seen(text):
+    """{app: its API name} of every app whose docs the conversation shows."""
+    return dict(re.findall(r"^apis\.(shop|bank|contacts)\.(\w+)\(", text, flags=re.M))
+
+
+def tiny_solution(text):
+    """A careful agent's next code for the tiny-world conversation `text`: the docs of the app
+    the task needs, then the task done with the API name the docs showed, then complete_task."""
+    family = {"Order": "order", "Pay": "payback", "What": "phone"}[text.split("<|im_start|>user\n")[1].split()[0]]
+    app = tiny_world.TinyWorld.APPS[family]
+    api = _docs_seen(text).get(app)
+    last = "apis.supervisor.payments()[0]"
+    if api is None:
+        return f'print(apis.api_docs.show(app="{app}"))'
+    if family == "phone":
+        return f'apis.supervisor.complete_task(answer=apis.contacts.{api}(name={last}["name"]))'
+    work = f"apis.shop.{api}(item=apis.supervisor.wishlist()[0])" if family == "order" else f"apis.bank.{api}(**{last})"
+    return work + "\napis.supervisor.complete_task()"
+
+
+def scripted_policy(write_code):
+    """A stand-in for loop.generate: each episode's turn is the code write_code(conversation) returns."""
+    def generate(model, chat, prompts, temperature, max_new_tokens, carry=None):
+        texts = [chat.tok.decode(p) for p in prompts]
+        return [chat.encode(fence(write_code(text))) + [chat.eot] for text in texts]
+    return generate
+
+
+# All three tasks of the test split's scenario order00 are solved, and 2 of the 3 of phone01; the
+# policy tells them by the top wishlist item or the last payer, which it prints first.
+SOLVED = {"Order": {tiny_world.TinyWorld(f"order00_{n}").wishlist[0] for n in (1, 2, 3)},
+          "What": {tiny_world.TinyWorld(f"phone01_{n}").payments[0][0] for n in (1, 2)}, "Pay": set()}
+
+
+def solve_some(text):
+    instruction = text.split("<|im_start|>user\n")[1]
+    if text.count("<|im_start|>assistant") == 1:
+        return "print(apis.supervisor.wishlist())" if "wishlist" in instruction else "print(apis.supervisor.payments())"
+    first = text.split("<|im_start|>user\n")[2].split("<|im_end|>")[0]
+    about = re.findall(r"'(\w+)'", first.replace("'name': ", ""))[0]  # the top item or the last payer
+    if about in SOLVED[instruction.split()[0]]:
+        return tiny_solution(text)
+    return "apis.supervisor.complete_task()"
+
+
+def test_tgc_and_sgc_of_a_policy_that_solves_some_tasks(tiny, tmp_path, monkeypatch):
+    cfg, model, chat = tiny
+    monkeypatch.setattr(loop, "generate", scripted_policy(solve_some))
+    row = loop.evaluate(model, chat, cfg, "test", 0, str(tmp_path))
+    assert {t for t, ok in row["per_task"].items() if ok} == {"order00_1", "order00_2", "order00_3", "phone01_1", "phone01_2"}
+    assert len(row["per_task"]) == 27
+    assert row["tgc"] == pytest.approx(5 / 27) and row["sgc"] == pytest.approx(1 / 9)
+    # solved 5 x 1; a bare complete_task() earns 1/3 on the 6 other order and 7 phone tasks, 1/4 on 9 payback
+    assert row["reward_mean"] == pytest.approx((5 + 6 / 3 + 7 / 3 + 9 / 4) / 27)
+
+
+def aw_policy(text):
+    """Right on 5a0f1c2_1 and 9d3e7b4_1, wrong on 5a0f1c2_2 (2 of its 4 tests pass)."""
+    (task,) = [t for t, spec in AW_TASKS.items() if spec["instruction"] in text]
+    return aw_solution(task, correct=task != "5a0f1c2_2")
+
+
+def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "generate", scripted_policy(aw_policy))
+    out = tmp_path / "run"
+    loop.main(["--eval", "--env", "appworld", "--split", "fixture", "--tiny", "--code-timeout", "30",
+               "--eval-max-turns", "2", "--max-context", "4096", "--out", str(out)])
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["split"] == "fixture" and row["per_task"] == {"5a0f1c2_1": True, "5a0f1c2_2": False, "9d3e7b4_1": True}
+    assert row["tgc"] == pytest.approx(2 / 3) and row["sgc"] == pytest.approx(1 / 2)
+    assert row["reward_mean"] == pytest.approx((1 + 2 / 4 + 1) / 3)
+    appworld_cli = os.path.join(os.path.dirname(sys.executable), "appworld")
+    r = subprocess.run([appworld_cli, "evaluate", row["appworld_experiment"], "fixture", "--root", appworld_root],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    path = os.path.join(appworld_root, "experiments", "outputs", row["appworld_experiment"], "evaluations", "fixture.json")
+    with open(path) as fh:
+        official = json.load(fh)["individual"]
+    assert {t: v["success"] for t, v in official.items()} == row["per_task"]
+
+
+# ---------------- 9. Checkpoints and the log: resume, kills at any moment, metrics, console, trackers
 def _train_rows(run, keys=("iteration",)):
     rows = loop.read_metrics(run / "metrics.jsonl")
     return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows if "split" not in r]
@@ -2746,27 +2312,6 @@ def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path)
             assert torch.equal(value, loaded["state"][i][key]), (i, key)
 
 
-def _fail_on_rank_1(where, argv):
-    """Run loop.main(argv) under torchrun; rank 1 raises at its first call of loop.<where>."""
-    def fail(*args, **kwargs):
-        raise RuntimeError("CUDA out of memory (rank 1 only)")
-    if os.environ["RANK"] == "1":
-        setattr(loop, where, fail)
-    loop.main(argv)
-
-
-@pytest.mark.parametrize("where", ["generate", "update"])
-def test_an_error_on_one_fsdp_rank_ends_the_run_instead_of_hanging_it(tmp_path, where):
-    """Rank 1 fails (an out-of-memory error, say) while rank 0 waits for it in a collective: the
-    run ends with the error. Before, the failed rank waited in the exit barrier for a rank that
-    waited for it, until gloo's 30-minute timeout."""
-    started = time.monotonic()
-    r = _torchrun("test_loop.py", "fail_on_rank_1", where, *quick(), "--tasks-per-iteration", "4", "--fsdp",
-                  "--iterations", "1", "--out", str(tmp_path / "run"), timeout=120)
-    assert r.returncode != 0 and "CUDA out of memory (rank 1 only)" in r.stderr
-    assert time.monotonic() - started < 120
-
-
 def test_fsdp_resumes_before_its_first_checkpoint_from_an_adamw_that_never_stepped_and_in_one_process(tmp_path):
     """2 gloo ranks: killed after the iteration-0 evaluation (no checkpoint yet), resumed; iteration
     1 without an optimizer step (every |A| below the threshold), so its checkpoint holds no AdamW
@@ -2797,9 +2342,12 @@ def test_fsdp_resumes_before_its_first_checkpoint_from_an_adamw_that_never_stepp
     assert AutoModelForCausalLM.from_pretrained(run / "model").num_parameters() > 0
 
 
-# ---------------------------------------------------------------- kills at any moment
 KILL_RUN = [*quick(), "--iterations", "3", "--eval-every", "2"]  # evaluations at 0, 2 and 3
+
+
 EVENTS = ("generate", "concurrently", "minibatch_backward", "evaluate", "save_checkpoint", "save_model")
+
+
 """The calls a seeded random moment is drawn from: every phase of a run has some."""
 
 
@@ -2907,23 +2455,533 @@ def test_each_iteration_samples_its_own_tasks_and_a_resumed_one_samples_the_same
     assert all(tasks[i] == tasks[i - i % 3] for tasks in drawn for i in range(12))
 
 
-def test_behaviour_counts_looking_first_and_recovering(tiny):
-    """An episode looked first when its first turn's code reads the docs, and erred when it met an
-    error observation; recovered (in the metrics) is erred and still succeeded."""
-    cfg, _, chat = tiny
-    docs, order = 'print(apis.api_docs.show(app="shop"))', "apis.shop.order(item=1)"
+def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_changes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    loop.main([*quick(), "--iterations", "1", "--out", str(run)])
+    assert f"writing to {run}" in capsys.readouterr().err
+    config = (run / "config.json").read_text()
+    assert json.loads(config)["out"] == str(run)
+    for flags, message in [(["--lora"], "--lora cannot change when resuming"),
+                           (["--model", str(tmp_path / "other")], "--model cannot change when resuming"),
+                           (["--iterations", "2", "--split", "nosuch"], "splits are train and test")]:
+        code, err = _error(capsys, "--resume", str(run), *flags)
+        assert code == 2 and message in err
+        assert (run / "config.json").read_text() == config  # rewritten only once a resume started
 
-    def episode(codes, outputs):
-        e = loop.start_wave([(tiny_world.TinyWorld("order00_1"), "order00_1")], chat, cfg)[0]
-        for turn, (code, output) in enumerate(zip(codes, outputs)):
-            loop.act(e, chat.encode(fence(code)) + [chat.eot], turn, chat)
-            loop.observe(e, output, False, chat, cfg)
-        return e.looked_first, e.erred
+    def unreadable(*args):
+        raise RuntimeError("a checkpoint that cannot be read")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "load_checkpoint", unreadable)
+        with pytest.raises(RuntimeError):
+            loop.main(["--resume", str(run), "--iterations", "2"])
+    assert (run / "config.json").read_text() == config
+    loop.main(["--resume", str(run), "--iterations", "2"])
+    assert f"resuming {run} from iteration 1" in capsys.readouterr().err
+    assert json.loads((run / "config.json").read_text())["iterations"] == 2
+    train, final = loop.read_metrics(run / "metrics.jsonl")[-2:]
+    assert final["split"] == "test" and final["seconds"] < train["seconds"]  # its own, not the process's
+    loop.main(["--resume", str(run), "--iterations", "2"])
+    assert capsys.readouterr().err.strip() == f"{run} is finished (2 iterations): nothing to do"
 
-    assert episode([docs, "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"]) == (True, False)
-    assert episode([order, docs], ["Execution failed. AttributeError: x", "shop.buy(item)"]) == (False, True)
-    assert episode(["print(1)", docs], ["1", "Execution failed. KeyError: x"]) == (False, True)  # read late
-    assert episode(["Let me think."], ["Execution successful."]) == (False, False)  # no code at all
+
+def test_the_console_shows_a_short_line_per_row_and_the_tracker_every_number(tmp_path, capsys):
+    """TensorBoard's event file, read back, holds each row's numbers at its iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = tmp_path / "run"
+    loop.main([*quick(), "--iterations", "2", "--eval-every", "1", "--track", "tensorboard", "--out", str(run)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration ")]
+    assert len(lines) == 5 and all(len(line) < 100 for line in lines)
+    assert lines[1].startswith("iteration 1: reward ") and " TGC " in lines[2]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    rows = loop.read_metrics(run / "metrics.jsonl")
+    for tag, key, split in [("train/reward_mean", "reward_mean", None), ("train/kl", "kl", None),
+                            ("train/grad_norm", "grad_norm", None), ("test/tgc", "tgc", "test")]:
+        logged = [(s.step, s.value) for s in events.Scalars(tag)]
+        expected = [(r["iteration"], r[key]) for r in rows if r.get("split") == split]
+        assert [step for step, _ in logged] == [step for step, _ in expected], tag
+        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6), tag
+    assert "train/per_task" not in events.Tags()["scalars"]
+
+
+def test_wandb_logs_offline_unless_configured_with_the_iteration_as_step(tmp_path, monkeypatch):
+    import importlib.machinery
+    import types
+    calls = []
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    wandb.api = types.SimpleNamespace(api_key=None)
+    wandb.init = lambda **kwargs: calls.append(("init", kwargs)) or wandb
+    wandb.log = lambda scalars, step: calls.append(("log", step, scalars))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run = tmp_path / "run"
+    loop.main([*quick(), "--iterations", "1", "--track", "wandb", "--out", str(run)])
+    (_, init), *logs = calls
+    assert init["mode"] == "offline" and init["dir"] == str(run) and init["config"]["track"] == "wandb"
+    rows = loop.read_metrics(run / "metrics.jsonl")
+    assert [step for _, step, _ in logs] == [r["iteration"] for r in rows] == [0, 1, 1]
+    assert logs[1][2]["train/reward_mean"] == pytest.approx(rows[1]["reward_mean"])
+
+
+def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find(name, *a))
+    code, err = _error(capsys, "--tiny", "--track", "tensorboard,wandb", "--out", str(tmp_path / "run"))
+    assert code == 2 and "pip install 'wandb<0.19'" in err and not (tmp_path / "run").exists()
+
+
+# ---------------- 10. Main: whole runs, a new environment, Ctrl-C, a wave too big, a failing rank
+def test_tiny_smoke_run_writes_metrics(tmp_path):
+    out = tmp_path / "run"
+    loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "reward_mean" in r and "split" not in r]
+    evals = [r for r in rows if r.get("split") == "test"]
+    assert [r["iteration"] for r in train] == [1, 2]
+    assert [r["iteration"] for r in evals] == [0, 1, 2]
+    for r in train:
+        assert {"reward_mean", "success_rate", "kl", "clip_fraction", "seconds"} <= set(r)
+        assert 0 <= r["reward_mean"] <= 1 and 0 <= r["clip_fraction"] <= 1 and math.isfinite(r["kl"])
+    for r in evals:
+        assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
+        assert len(r["per_task"]) == len(tiny_world.TinyWorld.tasks("test"))
+    assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
+    shown = (out / "transcripts" / "test_iter0002.txt").read_text()
+    heads = re.findall(r"^=== (\w+): \d of \d checks passed$", shown, flags=re.M)
+    assert heads == ["order00_1", "payback00_1", "phone00_1"]  # spread over the split's scenarios
+    # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
+    _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]))
+    _, shipped = loop.load_pretrained(loop.parse_config(["--tiny"]))
+    text = fence(make_tiny_model.demo(random.Random(0))[1][0])
+    assert loop.Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == loop.Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
+    assert tok(text)["input_ids"] == shipped(text)["input_ids"]
+    loop.main(["--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
+               "--out", str(tmp_path / "ev")])
+    again = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])
+    assert again["split"] == "test" and again["reward_mean"] == pytest.approx(evals[-1]["reward_mean"])
+    assert again["per_task"] == evals[-1]["per_task"] and again["iteration"] == 2  # trained for 2
+    assert (tmp_path / "ev" / "transcripts" / "test_iter0002.txt").read_text() == shown
+
+
+SUM_WORLD = '''
+import sys
+sys.path.insert(0, {here!r})
+import loop
+import tiny_world
+
+
+class SumWorld:
+    """Only what tiny_world.py's docstring requires: no done, no close(), no behaviour strings."""
+
+    @staticmethod
+    def tasks(split):
+        return [f"sum{{i}}_1" for i in range(4)]
+
+    def __init__(self, task_id, timeout, experiment):
+        self.timeout = timeout
+        self.codes = []
+
+    def messages(self):
+        return [{{"role": "system", "content": tiny_world.TinyWorld.SYSTEM}},
+                {{"role": "user", "content": "Order the item at the top of my wishlist."}}]
+
+    def step(self, code):
+        self.codes.append(code)
+        return tiny_world.run_code(code, {{}}, self.timeout)
+
+    def evaluate(self):  # a check for code at all, one for calling the supervisor
+        return (bool(self.codes) + any("supervisor" in code for code in self.codes), 2)
+
+
+loop.ENVS["sum"] = SumWorld
+loop.main()
+'''
+
+
+def test_a_new_environment_with_only_the_required_members_trains_from_its_own_script(tmp_path):
+    """The README's way: a forker's script registers its world and runs loop's command line."""
+    script = tmp_path / "my_world.py"
+    script.write_text(SUM_WORLD.format(here=HERE))
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--env", "sum", "--iterations", "1",
+                        "--tasks-per-iteration", "4", "--rollouts-per-task", "3", "--max-turns", "2",
+                        "--eval-max-turns", "2", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    train, final = [r for r in loop.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
+    assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
+    assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
+
+
+def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        for line in proc.stdout:  # the iteration-0 evaluation is logged: training has begun
+            if line.startswith("iteration 0:"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"interrupted: continue with `python loop.py --resume {run}`"
+
+
+CUT_SHORT_BAR = """
+import sys
+sys.path.insert(0, {here!r})
+import tqdm
+import loop
+
+build = tqdm.tqdm.__init__
+
+def interrupted(self, *args, **kwargs):  # Ctrl-C while the training bar is being built
+    if kwargs.get("desc") == "LOOP":
+        self.disable = False  # where tqdm's constructor has come to: its position is not set yet
+        raise KeyboardInterrupt
+    build(self, *args, **kwargs)
+
+if __name__ == "__main__":
+    tqdm.tqdm.__init__ = interrupted
+    loop.main(["--tiny", "--iterations", "1", "--out", {run!r}])
+"""
+
+
+def test_ctrl_c_while_a_progress_bar_is_built_prints_no_traceback(tmp_path):
+    """A bar that Ctrl-C cut short in its constructor fails in __del__ at exit; the user still sees
+    the one line (the --tiny run above meets this moment: iteration 0 logged, the bar built next)."""
+    script = tmp_path / "cut.py"
+    script.write_text(CUT_SHORT_BAR.format(here=HERE, run=str(tmp_path / "run")))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("interrupted: continue with `python cut.py --resume")
+
+
+@pytest.fixture(scope="module")
+def qwen32b():
+    """Qwen2.5-32B-Instruct's shape on the meta device: no memory, the real KV size per token."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    config = Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                         num_attention_heads=40, num_key_value_heads=8)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_first(qwen32b, monkeypatch, capsys):
+    """The README's 8-GPU command with the default --batch-episodes: 6 episodes of 32k tokens of
+    Qwen2.5-32B are 48 GiB of KV cache (262,144 bytes a token), which fit the 71 GB an 80 GB GPU has
+    free beside the sharded LoRA states (docs/scaling.md's table: 8.4 GB). With 30 GiB free the run
+    stops with one line that says what to set; the old default (256 a rank) needed 2 TiB."""
+    free = {"bytes": int(80e9 - 8.4e9)}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (free["bytes"], int(80e9)))
+    cfg = loop.parse_config(["--fsdp", "--bf16", "--lora", "--activation-checkpointing", "--train-split", "train_paper",
+                             "--split", "dev", "--micro-batch-size", "1"])
+    assert cfg.model == "Qwen/Qwen2.5-32B-Instruct" and cfg.max_context == 32768 and cfg.batch_episodes == 6
+    loop.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)  # fits: nothing happens
+    free["bytes"] = 30 * 2**30
+    with pytest.raises(SystemExit) as stop:
+        loop.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert "6 episodes of up to 32768 tokens needs 48.0 GiB" in err and "set --batch-episodes 3 or lower" in err
+    with pytest.raises(SystemExit):  # the old default
+        loop.check_kv_cache(dataclasses.replace(cfg, batch_episodes=256), qwen32b, 30)
+    free["bytes"] = 4 * 2**30  # not one episode at the cap
+    with pytest.raises(SystemExit):
+        loop.check_kv_cache(cfg, qwen32b, 1)
+    assert "set --max-context 16384 or lower" in capsys.readouterr().err
+    # gathered for sampling, the 65 GB of bf16 weights leave no room for one episode on 80 GB
+    free["bytes"] = int(80e9 - 8.4e9)
+    with pytest.raises(SystemExit):
+        loop.check_kv_cache(dataclasses.replace(cfg, rollout_full_weights=True), qwen32b, 1)
+    assert "--max-context" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, wave", [([], 72), (["--batch-episodes", "500"], 72), (["--eval"], 27),
+                                         (["--batch-episodes", "4"], 4)])
+def test_a_run_whose_wave_cannot_fit_the_gpu_stops_before_its_first_rollout(qwen32b, monkeypatch, capsys,
+                                                                             tmp_path, flags, wave):
+    """A run on a (patched) GPU with 1 GiB free: it stops before any rollout and leaves no run
+    directory. The wave it checks is what a rollout plays: --tiny's 6 tasks x 12 rollouts, at most
+    --batch-episodes; an evaluation-only run its 27 test tasks."""
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(loop, "DEVICE", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (2**30, int(80e9)))
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    monkeypatch.setattr(loop, "load_model_and_tokenizer", lambda cfg: (qwen32b, tok))
+    monkeypatch.setattr(loop, "rollout", None)  # a rollout would raise: 'NoneType' is not callable
+    with pytest.raises(SystemExit) as stop:
+        loop.main(["--tiny", *flags, "--out", str(tmp_path / "run")])
+    assert stop.value.code == 2 and not (tmp_path / "run").exists()
+    assert f"error: a wave of {wave} episodes of up to 1024 tokens needs" in capsys.readouterr().err
+
+
+def _fail_on_rank_1(where, argv):
+    """Run loop.main(argv) under torchrun; rank 1 raises at its first call of loop.<where>."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (rank 1 only)")
+    if os.environ["RANK"] == "1":
+        setattr(loop, where, fail)
+    loop.main(argv)
+
+
+@pytest.mark.parametrize("where", ["generate", "update"])
+def test_an_error_on_one_fsdp_rank_ends_the_run_instead_of_hanging_it(tmp_path, where):
+    """Rank 1 fails (an out-of-memory error, say) while rank 0 waits for it in a collective: the
+    run ends with the error. Before, the failed rank waited in the exit barrier for a rank that
+    waited for it, until gloo's 30-minute timeout."""
+    started = time.monotonic()
+    r = _torchrun("test_loop.py", "fail_on_rank_1", where, *quick(), "--tasks-per-iteration", "4", "--fsdp",
+                  "--iterations", "1", "--out", str(tmp_path / "run"), timeout=120)
+    assert r.returncode != 0 and "CUDA out of memory (rank 1 only)" in r.stderr
+    assert time.monotonic() - started < 120
+
+
+# ---------------- tools/: make_tiny_model.py, play.py, ablation.py, plot.py
+def _task_values():
+    words, numbers = set(), set()
+    for t in tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test"):
+        w = tiny_world.TinyWorld(t)
+        words |= set(w.phones) | set(w.wishlist) | set(w.api.values())
+        numbers |= {str(n) for n in w.phones.values()} | {str(amount) for _, amount in w.payments}
+    return words, numbers
+
+
+def _play_demo(rng):
+    world, codes = make_tiny_model.demo(rng)
+    outputs = [world.step(code) for code in codes]
+    return world, codes, outputs
+
+
+def test_no_demonstration_uses_a_name_value_or_title_of_a_task():
+    words, numbers = _task_values()
+    rng, families = random.Random(0), set()
+    for _ in range(1000):
+        world, codes, outputs = _play_demo(rng)
+        families.add(world.family)
+        text = "\n".join([world.instruction, *codes, *outputs])
+        assert not set(re.findall(r"[a-z]+", text)) & words, text
+        assert not set(re.findall(r"\d+", text)) & numbers, text
+        doc, code = make_tiny_model.drill(rng)
+        assert not set(re.findall(r"[a-z]+", doc + code)) & words, doc
+    assert families == {"order", "phone", "payback"}
+
+
+def _demos(monkeypatch, n=300, look=1.0, recover=0.0, wrong=0.0):
+    monkeypatch.setattr(make_tiny_model, "LOOK", dict.fromkeys(tiny_world.TinyWorld.FAMILIES, look))
+    monkeypatch.setattr(make_tiny_model, "RECOVER", recover)
+    monkeypatch.setattr(make_tiny_model, "WRONG", wrong)
+    rng = random.Random(0)
+    return [_play_demo(rng) for _ in range(n)]
+
+
+def _solved(world):
+    points, checks = world.evaluate()
+    return points == checks
+
+
+def test_demonstrations_are_careless_in_the_stated_ways(monkeypatch):
+    docs = "apis.api_docs.show"
+    for world, codes, _ in _demos(monkeypatch):  # no flaw: read the docs, then solve the task
+        assert docs in codes[0] and _solved(world) and len(codes) == 3
+    for world, codes, _ in _demos(monkeypatch, wrong=1.0):  # the last entry, not the first
+        assert "[-1]" in codes[1] and not _solved(world)
+    for world, codes, outputs in _demos(monkeypatch, look=0.0):  # assumes a name, gives up
+        assumed = make_tiny_model.ASSUMED[tiny_world.TinyWorld.APPS[world.family]]
+        assert f"{assumed}(" in codes[0] and f"no API named '{assumed}'" in outputs[0]
+        assert codes[1:] == ["apis.supervisor.complete_task()"] and not _solved(world)
+    for world, codes, outputs in _demos(monkeypatch, look=0.0, recover=1.0):
+        assert outputs[0].startswith("Execution failed. AttributeError")
+        assert docs in codes[1] and _solved(world) and len(codes) == 4
+
+
+def test_demonstrations_look_first_as_often_as_stated():
+    rng = random.Random(0)
+    looked = collections.defaultdict(list)
+    for _ in range(3000):
+        world, codes = make_tiny_model.demo(rng)
+        looked[world.family].append("apis.api_docs.show" in codes[0])
+    for family, rate in make_tiny_model.LOOK.items():
+        assert abs(sum(looked[family]) / len(looked[family]) - rate) < 0.05, family
+
+
+def test_copied_is_the_share_of_episodes_the_model_writes_exactly(tiny):
+    _, model, chat = tiny
+    prompt = chat.prompt([{"role": "user", "content": "apis.shop.kofi(item): orders an item"}])
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(5):  # the model's own greedy continuation
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    greedy = ids[len(prompt):]
+    right = loop.Episode("a", None, [], [], [], [])
+    right.add(prompt)
+    right.add(greedy, output=True, turn=0)
+    wrong = loop.Episode("b", None, [], [], [], [])
+    wrong.add(prompt)
+    wrong.add(greedy[:-1] + [(greedy[-1] + 1) % len(chat.tok)], output=True, turn=0)
+    short = loop.Episode("c", None, [], [], [], [])  # shorter: padded in the batch
+    short.add(prompt[3:])
+    copied = make_tiny_model.copied
+    assert copied(model, [right]) == 1.0 and copied(model, [wrong]) == 0.0
+    assert copied(model, [right, wrong, short]) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("copies, drill_steps", [(1.0, 50), (0.0, 120)])
+def test_drills_stop_once_the_model_copies(tiny, monkeypatch, copies, drill_steps):
+    import argparse
+    import copy
+    cfg, model, chat = tiny
+    batches, rates, rows = [], [], []
+
+    def sft_step(model, opt, episodes, grad_clip):
+        batches.append(episodes)
+        rates.append(opt.param_groups[0]["lr"])
+        return 1.0
+
+    monkeypatch.setattr(make_tiny_model, "sft_step", sft_step)
+    monkeypatch.setattr(make_tiny_model, "copied", lambda model, episodes: copies)
+    args = argparse.Namespace(seed=0, drills=120, demos=3, lr=3e-3)
+    assert make_tiny_model.warmup(copy.deepcopy(model), chat, cfg, args, rows.append) == drill_steps
+    drills = [b for b in batches if all(e.task_id == "drill" for e in b)]
+    assert len(drills) == drill_steps and len(batches) == len(rows) == drill_steps + 3
+    # the drills' rate rises over 100 steps, the demonstrations' falls from the top to zero
+    ramp = [args.lr * min(1, step / 100) for step in range(1, drill_steps + 1)]
+    decay = [args.lr * (1 - step / 3) for step in range(3)]
+    assert rates == pytest.approx(ramp + decay)
+    assert all(len(b) == 8 for b in drills)
+    assert all(len(b) == 10 and sum(e.task_id == "drill" for e in b) == 2 for b in batches[drill_steps:])
+
+
+def test_a_drill_is_doc_lines_each_followed_by_the_call_that_uses_it(tiny):
+    _, _, chat = tiny
+    e = make_tiny_model.drill_episode(random.Random(3), chat)
+    text = chat.tok.decode(e.ids)
+    assert text.startswith("<|im_start|>system\n" + tiny_world.TinyWorld.SYSTEM)
+    docs = re.findall(r"<\|im_start\|>user\n(apis\.\w+\.\w+)\(", text)
+    calls = re.findall(r"```python\n(?:x = )?(apis\.\w+\.\w+)\(", text)
+    assert len(docs) == 4 and docs == calls
+    outputs = [chat.tok.decode([i for i, out, turn in zip(e.ids, e.is_output, e.turn) if out and turn == t])
+               for t in range(4)]
+    assert all(o.startswith("```python\n") and o.endswith("```<|im_end|>") for o in outputs)
+    assert sum(e.is_output) == sum(len(chat.encode(o[:-len("<|im_end|>")])) + 1 for o in outputs)
+
+
+def _made(out):
+    """The losses a make_tiny_model run logged, and its weights."""
+    from safetensors.torch import load_file
+    rows = [json.loads(line) for line in (out / "make_tiny_model.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], load_file(out / "model.safetensors")
+
+
+def test_make_tiny_model_is_deterministic_for_a_seed(tmp_path):
+    runs = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        make_tiny_model.main(["--out", str(tmp_path / name), "--seed", str(seed), "--drills", "3", "--demos", "2"])
+        runs[name] = _made(tmp_path / name)
+    (losses, weights), (again, weights_again), (other, _) = runs["a"], runs["b"], runs["c"]
+    assert len(losses) == 5 and losses == again and losses != other
+    assert weights.keys() == weights_again.keys()
+    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
+    model, tok = loop.load_pretrained(loop.parse_config(["--tiny", "--model", str(tmp_path / "a")]))
+    shape = {k: getattr(model.config, k) for k in make_tiny_model.SHAPE}
+    assert shape == make_tiny_model.SHAPE and model.config.vocab_size == len(tok)
+
+
+def test_play_prints_the_episodes_of_the_tasks_named(capsys):
+    play.main(["--tiny", "--task", "payback01_2", "--task", "order00_1", "--eval-max-turns", "2"])
+    out = capsys.readouterr().out
+    heads = re.findall(r"^=== (\w+): (\d) of (\d) checks passed$", out, flags=re.M)
+    assert [task for task, _, _ in heads] == ["payback01_2", "order00_1"]
+    assert out.count("--- assistant\n") >= 2 and "Pay back the last person" in out
+    with pytest.raises(SystemExit) as stop:
+        play.main(["--tiny", "--task", "nosuch_1"])
+    assert stop.value.code == 2 and "no task 'nosuch_1'" in capsys.readouterr().err
+
+
+def _fake_runs(root):
+    """Two seeds of LOOP and of per-turn ratios, plus an evaluation-only run and an unfinished run,
+    which the report must leave out. TGC at iterations 0/10/20 and clip fractions are chosen by hand."""
+    runs = {"token-0": ("token", [0, .6, .9], [0, 0, 1 / 3], [.1, .3]), "token-1": ("token", [0, .4, .5], [0, 1 / 3, 1 / 3], [.1, .1]),
+            "turn-0": ("turn", [0, 0, .2], [0, 0, 0], [.4, .6]), "turn-1": ("turn", [0, .1, .4], [0, 0, 1 / 3], [.5, .5]),
+            "evalonly-0": ("token", [0], [0], []), "turn-2": ("turn", [0, .9], [0, 1], [.9])}
+    for name, (ratio, tgc, sgc, clip) in runs.items():
+        (root / name).mkdir()
+        its = 0 if name.startswith("evalonly") else 20
+        cfg = {"iterations": its, "ratio": ratio, "normalize_rewards": False, "seed": int(name[-1])}
+        (root / name / "config.json").write_text(json.dumps(cfg))
+        rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 20.0}
+                for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c, "kl": 2 * c, "seconds": 70.0}
+                                                              for i, c in enumerate(clip)]
+        (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with open(root / "token-1" / "metrics.jsonl", "a") as fh:
+        fh.write('{"iteration": 21, "clip_fr')  # a line cut short by a kill: left out
+    (root / "notes.txt").write_text("not a run")
+
+
+def test_ablation_report_by_hand(tmp_path, capsys):
+    _fake_runs(tmp_path)
+    ablation.main(["--report", str(tmp_path)])
+    # Per seed: LOOP 0 reaches 50% at 10 and 90% at 20, LOOP 1 50% at 20 and never 90%, per-turn
+    # neither. AUC by trapezoids over 0..20: LOOP 0 (10 * .3 + 10 * .75) / 20 = 52.5%, LOOP 1
+    # (2 + 4.5) / 20 = 32.5%, per-turn (0 + 1) / 20 = 5% and (.5 + 2.5) / 20 = 15%. Spread is
+    # min-max over seeds; per-turn's AUC minus LOOP's on the same seed: 5 - 52.5 and 15 - 32.5. KL
+    # is twice the clip fraction in these rows; the time is the rows' seconds summed, 3 x 20 + 2 x 70.
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2:4] == [
+        "| per-token (LOOP) | 2 | 15.0 (10-20) | 20.0 (20-20), 1 never | 42.5 (32.5-52.5) | - | 70.0 (50.0-90.0) | "
+        "33.3 (33.3-33.3) | 0.150 (0.100-0.200) | 0.300 (0.200-0.400) | 200 |",
+        "| per-turn | 2 | never | never | 10.0 (5.0-15.0) | -32.5 (-47.5 to -17.5) | 30.0 (20.0-40.0) | 16.7 (0.0-33.3) | "
+        "0.500 (0.500-0.500) | 1.000 (1.000-1.000) | 200 |"]
+    assert rows[7:] == ["| per-token (LOOP) | 0 | 10 | 20 | 52.5 | 90.0 | 33.3 | 0.200 | 0.400 |",
+                        "| per-token (LOOP) | 1 | 20 | - | 32.5 | 50.0 | 33.3 | 0.100 | 0.200 |",
+                        "| per-turn | 0 | - | - | 5.0 | 20.0 | 0.0 | 0.500 | 1.000 |",
+                        "| per-turn | 1 | - | - | 15.0 | 40.0 | 33.3 | 0.500 | 1.000 |"]
+    assert (tmp_path / "ablation.md").read_text().splitlines() == rows
+
+
+def test_ablation_report_draws_learning_curves(tmp_path):
+    pytest.importorskip("matplotlib", reason="the figure is optional: pip install matplotlib")
+    _fake_runs(tmp_path)
+    ablation.main(["--report", str(tmp_path)])
+    assert (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        ablation.main(["--report", str(tmp_path)])
+    assert stop.value.code == 2 and "no finished runs" in capsys.readouterr().err
+
+
+def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch):
+    quick = ["--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
+             "--eval-max-turns", "1", "--max-turns", "2"]
+    calls, main = [], loop.main
+
+    def counted(argv):
+        calls.append(argv)
+        return main(argv)
+    monkeypatch.setattr(loop, "main", counted)
+    ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert names == ["none-0", "rwnorm-0", "token-0", "trajectory-0", "turn-0"] and len(calls) == 5
+    for name in names:
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        assert cfg["model"] == SHIPPED and cfg["iterations"] == 2 and cfg["seed"] == 0
+        assert [r["iteration"] for r in loop.read_metrics(tmp_path / name / "metrics.jsonl")] == [0, 1, 2, 2]
+    assert json.loads((tmp_path / "rwnorm-0" / "config.json").read_text())["normalize_rewards"]
+    assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
+    table = (tmp_path / "ablation.md").read_text().splitlines()
+    assert len(table) == 15 and table[2].startswith("| per-token (LOOP) | 1 |")
+    # Again, after one run was cut off before it saved its model: only that one runs, resumed.
+    import shutil
+    shutil.rmtree(tmp_path / "turn-0" / "model")
+    calls.clear()
+    ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
+    assert calls == [["--resume", str(tmp_path / "turn-0"), "--iterations", "2"]]
+    assert [r["iteration"] for r in loop.read_metrics(tmp_path / "turn-0" / "metrics.jsonl")] == [0, 1, 2, 2]
 
 
 def test_plot_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):

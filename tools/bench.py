@@ -68,7 +68,7 @@ def logprob_workload(chunk, device):
     head = torch.nn.Linear(64, VOCAB, bias=False, device=device)
     loop.chunked_logprob_head(head, chunk)
     hidden = torch.randn(1, TOKENS, 64, device=device, requires_grad=True)
-    head.targets = torch.randint(0, VOCAB, (1, TOKENS), device=device)
+    head.scoring = (torch.randint(0, VOCAB, (1, TOKENS), device=device), 1.0, None)
 
     def work():
         head(hidden).sum().backward()
