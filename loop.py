@@ -613,8 +613,8 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
             if not all_reduce([len(live)], dist.ReduceOp.MAX)[0]:
                 break
             if live and cache:
-                kept = [i for i, e in enumerate(rows) if not e.done]
-                cache.lay_out(kept, [len(e.ids) for e in live])
+                still_live = [i for i, e in enumerate(rows) if not e.done]
+                cache.lay_out(still_live, [len(e.ids) for e in live])
             rows = live
             # no episode can take more than its room below the cap (add() cuts the others)
             room = max((cfg.max_context - len(e.ids) for e in live), default=1)
@@ -655,13 +655,13 @@ def concurrently(calls):
     threads are daemons, so an interrupt reaches the caller at once."""
     results, errors = [None] * len(calls), []
 
-    def run(i):
+    def call(i):
         try:
             results[i] = calls[i]()
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -765,12 +765,12 @@ def micro_batches(indices, sizes, size):
     return [indices[j * size:(j + 1) * size] for j in range(n)]
 
 @torch.no_grad()
-def old_logprobs(model, episodes, keep, counts, cfg):
-    """log p_psi of each kept rollout's tokens, from the model about to be updated, right before
+def old_logprobs(model, episodes, used, counts, cfg):
+    """log p_psi of each used rollout's tokens, from the model about to be updated, right before
     the update, at the sampling temperature (reference code: recompute_rollout_probs)."""
     model.eval()
     old = {}
-    for chunk in micro_batches(keep, counts, cfg.micro_batch_size):
+    for chunk in micro_batches(used, counts, cfg.micro_batch_size):
         ids, attn, _, _ = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT])
         for i, logp in zip(chunk, token_logprobs(model, ids, attn, cfg.temperature)):
             old[i] = logp[:len(episodes[i].ids) - 1]
@@ -803,21 +803,21 @@ def update(model, opt, episodes, advantages, cfg):
     """PPO epochs over the iteration's rollouts. Under FSDP a minibatch spans the ranks (each takes
     its share of its own rollouts), each running as many passes (empty ones) as the busiest."""
     # a rollout without a leave-one-out group (NaN: its world failed) has no advantage at all
-    keep = [i for i, a in enumerate(advantages.tolist())
+    used = [i for i, a in enumerate(advantages.tolist())
             if not math.isnan(a) and abs(a) >= cfg.min_abs_advantage]
-    counts = all_reduce([len(keep) * (r == RANK) for r in range(WORLD)])  # kept, per rank
+    counts = all_reduce([len(used) * (r == RANK) for r in range(WORLD)])  # used, per rank
     stats = {"rollouts_used": int(sum(counts)), "steps": 0, "skipped_nan": 0, "abandoned": False,
              "kl": 0.0, "clip_fraction": 0.0, "loss": 0.0, "grad_norm": 0.0}
     if not sum(counts):
         return stats
-    old = old_logprobs(model, episodes, keep, counts, cfg)
+    old = old_logprobs(model, episodes, used, counts, cfg)
     model.train()
     params = [p for group in opt.param_groups for p in group["params"]]  # FSDP's sharded ones
     share = math.ceil(cfg.minibatch_size / WORLD)  # this rank's part of a minibatch
     kls, losses, norms = [], [], []
     clipped = outputs = 0
     for _ in range(cfg.epochs):
-        order = random.sample(keep, len(keep))
+        order = random.sample(used, len(used))
         for j in range(max(math.ceil(n / share) for n in counts)):
             sizes = [min(share, max(0, n - j * share)) for n in counts]  # each rank's part
             chunks = micro_batches(order[j * share:(j + 1) * share], sizes, cfg.micro_batch_size)
