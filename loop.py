@@ -1102,7 +1102,7 @@ def main(argv=None):
             f"{run_dir}`" if started else "\ninterrupted before the run started: nothing written")
         sys.exit(130)
     if cfg.fsdp:  # not after an error: the failed rank would wait here for ranks waiting for it
-        dist.barrier()  # a rank that tore it down while another still wrote the model aborted
+        dist.barrier()  # no rank tears the group down while another still writes the model
         dist.destroy_process_group()
 
 def start(cfg, run_dir, checkpoint):
