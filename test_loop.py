@@ -83,6 +83,12 @@ def _torchrun(*args, timeout=600):
                           capture_output=True, text=True, cwd=HERE, timeout=timeout)
 
 
+def _sigint_as_by_default():
+    """In a child that is sent SIGINT: a suite run as a shell's background job (nohup ... &)
+    ignores SIGINT, its children inherit that, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Scripted:
     """An environment that ends after a fixed number of turns, whatever the agent writes."""
     def __init__(self, turns):
@@ -1421,9 +1427,8 @@ def test_ctrl_c_while_worlds_hang_as_they_start_stops_at_once_and_kills_them(app
     deadline."""
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED.format(here=HERE))
-    # a session of its own: SIGINT is not ignored there as in a shell's background job
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_as_by_default)
     pids = []
     try:
         pids = [int(proc.stdout.readline()) for _ in range(2)]
@@ -2617,7 +2622,8 @@ def test_a_new_environment_with_only_the_required_members_trains_from_its_own_sc
 def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=_sigint_as_by_default)
     try:
         for line in proc.stdout:  # the iteration-0 evaluation is logged: training has begun
             if line.startswith("iteration 0:"):
