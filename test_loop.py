@@ -951,7 +951,8 @@ def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monke
     bank = tiny_world.TinyWorld("payback01_1").api["bank"]
     codes = ['print(**apis.api_docs.show(app="bank"))', "print(*1)", f"apis.bank.{bank}(**[1])",
              "apis.api_docs.show(*5)", 'apis.api_docs.show(app_name="bank")', f"apis.bank.{bank}(1)",
-             "apis.supervisor.complete_task(**'x')", "apis.supervisor.payments(1, 2)"]
+             "apis.supervisor.complete_task(**'x')", "apis.supervisor.payments(1, 2)",
+             "print(apis, apis.shop, apis.supervisor.wishlist, print)", "apis()"]
     seen = {name: [module.TinyWorld("payback01_1").step(code) for code in codes]
             for name, module in (("import", tiny_world), ("script", launched))}
     assert seen["import"] == seen["script"]
@@ -960,6 +961,9 @@ def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monke
                                   f"Execution failed. TypeError: apis.bank.{bank}() argument after ** must be a "
                                   "mapping, not list"]
     assert not any(word in text for text in seen["import"] for word in ("tiny_world", "launched", "<locals>", "TinyWorld"))
+    # an object's memory address changes from process to process: a run would not repeat itself
+    assert seen["import"][-2:] == ["<app apis> <app shop> <function apis.supervisor.wishlist> <function print>",
+                                   "Execution failed. TypeError: 'App' object is not callable"]
 
 
 def test_splits_are_scenarios_of_three_and_disjoint():

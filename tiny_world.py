@@ -22,6 +22,7 @@ Register it from your own script and run loop's command line (see the README):
 """
 import builtins
 import random
+import re
 import sys
 import time
 
@@ -68,7 +69,8 @@ def run_code(code, namespace, timeout, max_chars=20000):
         status = f"Execution failed. {type(e).__name__}: {e}"
     finally:
         sys.settrace(previous)
-    return ("".join(output) + status).strip() or "Execution successful."
+    text = ("".join(output) + status).strip() or "Execution successful."
+    return re.sub(r" at 0x[0-9a-f]+", "", text)  # <function print at 0x7f..>: an address per run
 
 SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 WORDS = random.Random(0).sample([a + b for a in SYLLABLES for b in SYLLABLES], 560)  # kofi, lena
@@ -87,6 +89,9 @@ class App:
                 function.__module__ = None
         self.__dict__.update(apis)
         self.app_name = name
+
+    def __repr__(self):  # print(apis): no address, no module
+        return f"<app {self.app_name}>"
 
     def __getattr__(self, api):  # only for names the app lacks
         raise AttributeError(f"{self.app_name} has no API named {api!r}")
