@@ -33,8 +33,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from appworld_env import AppWorldEnv
 from chat import Chat
-from tiny_world import TinyWorld
+from tiny_world import Hosted, TinyWorld
 
 
 # 1. Settings (infrastructure)
@@ -335,8 +336,9 @@ def mean(values):
     return sum(values) / len(values) if values else 0.0
 
 
-# 3. Environments (infrastructure): AppWorld here; tiny_world.py is the tiny one, whose docstring
-#    is the interface a new environment implements (copy that file to start one)
+# 3. Environments (infrastructure): tiny_world.py's docstring is the interface a new environment
+#    implements (copy that file to start one), appworld_env.py the real AppWorld; each world runs
+#    in a worker process of its own (tiny_world.Hosted)
 def extract_code(text):
     """All ```python / ```py blocks joined; an unterminated last block counts; no block -> "".
     A reasoning model's drafts do not run: only the text after its reasoning block counts."""
@@ -344,133 +346,6 @@ def extract_code(text):
     text = text.split("<think>", 1)[0]  # reasoning cut off by the token limit: no answer yet
     blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
     return "\n".join(b.rstrip() for b in blocks)
-
-def appworld_worker(conn):
-    """A process serving one AppWorld world at a time (one per process allowed), task after task."""
-    warnings.filterwarnings("ignore")
-    from appworld import AppWorld
-    while True:
-        try:
-            command, arg = conn.recv()
-        except EOFError:  # the trainer is gone
-            return
-        if command == "load":
-            task_id, experiment, timeout, os.environ["APPWORLD_ROOT"] = arg
-            world = AppWorld(task_id=task_id, experiment_name=experiment,
-                             timeout_seconds=int(max(1, timeout)))
-            s = world.task.supervisor
-            me = f"My name is {s.first_name} {s.last_name}, email {s.email}, phone {s.phone_number}"
-            conn.send(f"Date: {world.task.datetime}\n{me}.\nTask: {world.task.instruction}")
-        elif command == "execute":
-            conn.send((world.execute(arg), world.task_completed()))
-        else:
-            tracker = world.evaluate()
-            world.close()
-            conn.send((tracker.pass_count, tracker.num_tests))
-
-class AppWorldEnv:
-    """The real AppWorld. An episode's world lives in a worker process from its wave's start
-    (messages()) to its evaluation, then the worker waits in `idle` for the next wave's. A world
-    that dies or hangs fails its episode (an infrastructure failure, not a reward)."""
-
-    PROMPT = pathlib.Path(HERE, "assets", "appworld_prompt.txt").read_text().strip()  # ReAct-style
-    DOCS_CALL, ERROR_PREFIX = "apis.api_docs.", "Execution failed"  # for the behaviour shares
-    START_TIMEOUT = 300  # seconds a world may take to start (the first one in a worker: ~4)
-    idle = []
-    idle_lock = threading.Lock()  # a wave's worlds take and give back workers from its threads
-
-    @staticmethod
-    def tasks(split):
-        """Task ids of an AppWorld split, or train_paper: the paper's training set."""
-        try:
-            import appworld
-        except ImportError:
-            die("the appworld package is missing: pip install -r requirements.txt")
-        apps = os.path.join(os.path.dirname(appworld.__file__), "apps", "supervisor")
-        if not os.path.isdir(apps):
-            from appworld.install import install_package
-            install_package()  # `appworld install`: unpacks the apps shipped in the wheel, offline
-        root = os.environ.get("APPWORLD_ROOT", os.getcwd())
-        name = "train" if split == "train_paper" else split
-        if not os.path.exists(os.path.join(root, "data", "datasets", f"{name}.txt")):
-            die(f"no AppWorld data for split {name!r} under {root}/data: run `appworld download "
-                "data` once (it needs the internet), or set APPWORLD_ROOT to the folder with data/")
-        from appworld import load_task_ids
-        if split == "train_paper":  # the paper's training set: train tasks of difficulty 1 and 2
-            return load_task_ids("train", difficulty=1) + load_task_ids("train", difficulty=2)
-        return load_task_ids(split)
-
-    def __init__(self, task_id, timeout=5.0, experiment="loop"):
-        self.task_id = task_id
-        self.timeout = timeout
-        self.experiment = experiment
-        self.done = self.failed = False
-        self.task = self.worker = None
-
-    @staticmethod
-    def take_worker():
-        with AppWorldEnv.idle_lock:
-            while AppWorldEnv.idle:
-                worker, conn = AppWorldEnv.idle.pop()
-                if worker.is_alive():  # else it died while it waited
-                    return worker, conn
-        return AppWorldEnv.start_worker()
-
-    @staticmethod
-    def start_worker():
-        """From the forkserver, a clean process (a fork would inherit CUDA state, NCCL threads and
-        other threads' locks); it imports the apps once (3-4 s) for every worker it forks."""
-        from appworld.apps import get_all_apps
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["__main__", "appworld",
-                                    *(f"appworld.apps.{app}.apis" for app in get_all_apps())])
-        conn, child = ctx.Pipe()
-        worker = ctx.Process(target=appworld_worker, args=(child,), daemon=True)
-        worker.start()
-        child.close()  # so that a dead worker reads as EOF here
-        return worker, conn
-
-    def call(self, message, wait):
-        """The answer to `message` within `wait` s, or None: the worker died or hung."""
-        try:
-            self.conn.send(message)
-            if self.conn.poll(wait):
-                return self.conn.recv()
-        except (EOFError, OSError):
-            pass
-        self.worker.kill()
-        self.failed = self.done = True
-        return None
-
-    def messages(self):  # the world starts: its episode's wave begins
-        if self.task is None:
-            self.worker, self.conn = self.take_worker()
-            if self.failed:  # closed while it was taken (close() sets failed, then reads worker)
-                self.worker.kill()
-            root = os.environ.get("APPWORLD_ROOT", os.getcwd())
-            load = ("load", (self.task_id, self.experiment, self.timeout, root))
-            self.task = self.call(load, wait=self.START_TIMEOUT) or "(the world failed to start)"
-        return [{"role": "system", "content": self.PROMPT}, {"role": "user", "content": self.task}]
-
-    def step(self, code):
-        reply = None if self.failed else self.call(("execute", code), wait=self.timeout + 60)
-        if reply is None:
-            return "Environment failed: the world stopped answering."
-        output, self.done = reply
-        return output
-
-    def evaluate(self):
-        result = None if self.failed else self.call(("evaluate", None), wait=120)
-        if result is not None:
-            with AppWorldEnv.idle_lock:
-                AppWorldEnv.idle.append((self.worker, self.conn))
-        return result
-
-    def close(self):
-        """Kill the world's worker now: the rollout was interrupted, nothing may wait for it."""
-        self.failed = self.done = True
-        if self.worker is not None:
-            self.worker.kill()
 
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 
@@ -491,8 +366,6 @@ class Episode:
     success: bool = False
     checks: tuple = (0, 0)  # the world's tests: passed, total
     failed: bool = False  # the world died, hung or did not start: an infrastructure failure
-    looked_first: bool = False  # a habit RL changes (§5): the first code reads the docs
-    erred: bool = False  # another: an error observation was met
 
     def add(self, ids, output=False, turn=-1):
         """ids join the episode as far as its context cap allows, the one place the cap is kept:
@@ -645,10 +518,7 @@ def act(e, new, turn, chat):
     # whole turns: characters stay intact; read as the template renders it, after its <think>
     text = chat.reply_start + chat.tok.decode(e.ids[start:], skip_special_tokens=True)
     e.transcript.append({"role": "assistant", "content": text})
-    code = extract_code(text)
-    docs = getattr(e.env, "DOCS_CALL", None)
-    e.looked_first = e.looked_first or (turn == 0 and docs is not None and docs in code)
-    return code
+    return extract_code(text)
 
 def concurrently(calls):
     """The calls run at once, each with its own deadline, so a hung world holds up no other; their
@@ -673,8 +543,6 @@ def concurrently(calls):
 def observe(e, output, last_turn, chat, cfg):
     """The environment's output joins the episode as context, between the template's separators."""
     observation = chat.truncate(output, cfg.max_obs_tokens)
-    error = getattr(e.env, "ERROR_PREFIX", None)
-    e.erred = e.erred or (error is not None and observation.startswith(error))
     e.transcript.append({"role": "user", "content": observation})
     e.done = e.done or getattr(e.env, "done", False) or last_turn
     if not e.done:
@@ -872,7 +740,7 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
     env = ENVS[cfg.env]
     tasks = env.tasks(split)[RANK::WORLD]  # each rank plays its share; rank 0 gathers the results
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
-    envs = [env(t, cfg.code_timeout, experiment) for t in tasks]
+    envs = [Hosted(env, t, cfg.code_timeout, experiment) for t in tasks]
     episodes = rollout(model, chat, envs, tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
                        desc=f"eval {split}")
     results = [(e.task_id, e.success, e.reward) for e in episodes]
@@ -901,6 +769,18 @@ def transcript(e):
     failed = " (the world failed)" if e.failed else ""
     head = f"=== {e.task_id}: {e.checks[0]} of {e.checks[1]} checks passed{failed}\n"
     return head + "".join(f"--- {m['role']}\n{m['content']}\n" for m in e.transcript) + "\n"
+
+def habits(e, env):
+    """Habits RL changes (§5), read from an episode's transcript where the environment names them:
+    its first code reads the docs (env.DOCS_CALL); it met an error (env.ERROR_PREFIX); it erred and
+    still succeeded."""
+    replies = [m["content"] for m in e.transcript if m["role"] == "assistant"]
+    observations = [b["content"] for a, b in zip(e.transcript, e.transcript[1:])
+                    if a["role"] == "assistant"]
+    docs, error = getattr(env, "DOCS_CALL", None), getattr(env, "ERROR_PREFIX", None)
+    looked = docs is not None and bool(replies) and docs in extract_code(replies[0])
+    erred = error is not None and any(text.startswith(error) for text in observations)
+    return looked, erred, erred and e.success
 
 
 # 9. Checkpoints and the log (infrastructure): trainable weights (the adapter with LoRA) and
@@ -941,8 +821,10 @@ def last_checkpoint(run_dir):
     dcp.load(state, checkpoint_id=paths[0])  # that value alone: no tensor is read
     return paths[0], state["iteration"]
 
-def load_checkpoint(path, model, opt):
-    """The trainable weights and AdamW's state from a checkpoint."""
+def load_checkpoint(path, model, opt, cfg):
+    """The trainable weights and AdamW's state from a checkpoint, which trains on with the learning
+    rate and weight decay of the settings (AdamW's state brings the checkpoint's), saying so where
+    they differ."""
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.state_dict as sd
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -953,6 +835,12 @@ def load_checkpoint(path, model, opt):
     sd.set_model_state_dict(model, state["model"], options=options)
     if stepped:
         sd.set_optimizer_state_dict(model, opt, state["optim"], options=options)
+    changed = [f"{flag(key)} {getattr(cfg, key):g} (the checkpoint's: {opt.param_groups[0][key]:g})"
+               for key in ("lr", "weight_decay") if opt.param_groups[0][key] != getattr(cfg, key)]
+    for group in opt.param_groups:
+        group.update(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if changed:
+        say(f"resuming with {' and '.join(changed)}")
 
 def save_model(run_dir, model, tok, iteration):
     """The full weights (or the LoRA adapter) and the tokenizer, loadable with from_pretrained,
@@ -1039,20 +927,21 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     k = cfg.rollouts_per_task
     task_ids = [task for task in tasks for _ in range(k)]  # a task's K rollouts share a rank
     # the K worlds of a task save their outputs apart
-    envs = [ENVS[cfg.env](task, cfg.code_timeout, f"loop-train-rollout{i % k}")
+    envs = [Hosted(ENVS[cfg.env], task, cfg.code_timeout, f"loop-train-rollout{i % k}")
             for i, task in enumerate(task_ids)]
     episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
     valid = torch.tensor([not e.failed for e in episodes]).view(len(tasks), k)
     advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
     stats = update(model, opt, episodes, advantages, cfg)
+    env = ENVS[cfg.env]
+    habit = [habits(e, env) for e in episodes] or [(0, 0, 0)]  # (a rank may have no episode)
     n, failures, reward, success, turns, tokens, looked, erred, recovered = all_reduce([
         len(episodes), sum(e.failed for e in episodes), (rewards * valid).sum().item(),
         sum(e.success for e in episodes), sum(1 + max(e.turn) for e in episodes),
-        sum(len(e.ids) for e in episodes), sum(e.looked_first for e in episodes),
-        sum(e.erred for e in episodes), sum(e.erred and e.success for e in episodes)])
+        sum(len(e.ids) for e in episodes), *map(sum, zip(*habit))])
     scored = max(n - failures, 1)  # reward and success: of the episodes whose world held up
-    env = ENVS[cfg.env]  # behaviour shares where the environment says what they count
+    # behaviour shares where the environment says what they count
     shares = {"looked_first": looked / n} if hasattr(env, "DOCS_CALL") else {}
     if hasattr(env, "ERROR_PREFIX"):
         shares.update(error_rate=erred / n, recovered=recovered / max(erred, 1))
@@ -1080,6 +969,8 @@ def check_kv_cache(cfg, model, wave):
             f"KV cache per GPU and {free / 2**30:.1f} GiB are free: set {room} or lower")
 
 def main(argv=None):
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return  # a world's worker runs the main script again as it starts: no run of its own
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1-process DCP
     if cfg.fsdp:
@@ -1127,7 +1018,7 @@ def start(cfg, run_dir, checkpoint):
     if trainable:
         opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if checkpoint:
-        load_checkpoint(checkpoint, model, opt)
+        load_checkpoint(checkpoint, model, opt, cfg)
     if RANK == 0:
         os.makedirs(run_dir, exist_ok=True)
         settings = dataclasses.asdict(cfg) | {"out": run_dir, "resume": ""}

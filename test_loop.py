@@ -141,6 +141,11 @@ def appworld_root(tmp_path_factory):
         yield root
 
 
+def _appworld(task_id, timeout, experiment):
+    """An AppWorld world as a run has it: in a worker process of its own."""
+    return loop.Hosted(loop.AppWorldEnv, task_id, timeout, experiment)
+
+
 def _scripted_turns(codes_of_turn):
     """A stand-in for loop.generate whose turn t gives row i the code codes_of_turn(t)[i]."""
     turn = [0]
@@ -245,7 +250,7 @@ def test_settings_parse_without_the_source_file(tmp_path):
     assert profiled.returncode == 0 and profiled.stdout == reference
     shutil.copytree(os.path.join(HERE, "assets"), tmp_path / "assets")
     shutil.copy(os.path.join(HERE, "tiny_config.json"), tmp_path)
-    for sibling in ("tiny_world.py", "chat.py"):  # the modules beside it
+    for sibling in ("tiny_world.py", "chat.py", "appworld_env.py"):  # the modules beside it
         shutil.copy(os.path.join(HERE, sibling), tmp_path)
     py_compile.compile(os.path.join(HERE, "loop.py"), cfile=str(tmp_path / "loop.pyc"), doraise=True)
     compiled = subprocess.run([sys.executable, str(tmp_path / "loop.pyc"), "--help"], capture_output=True, text=True,
@@ -740,7 +745,7 @@ def test_only_the_code_after_a_reasoning_block_runs():
 def test_appworld_scripted_policy_right_and_wrong(appworld_root):
     assert loop.AppWorldEnv.tasks("fixture") == list(AW_TASKS)
     first = next(iter(AW_TASKS))  # a wrong solution on one task: each world costs seconds to start
-    envs = {(t, ok): loop.AppWorldEnv(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS
+    envs = {(t, ok): _appworld(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS
             for ok in (True, False) if ok or t == first}
     for (task, correct), env in envs.items():
         prompt = env.messages()[1]["content"]
@@ -752,7 +757,7 @@ def test_appworld_scripted_policy_right_and_wrong(appworld_root):
 
 
 def test_appworld_rollouts_are_isolated_and_a_dead_or_hung_worker_fails_its_episode(appworld_root):
-    envs = [loop.AppWorldEnv("5a0f1c2_1", 60.0, f"pytest-iso{k}") for k in range(3)]
+    envs = [_appworld("5a0f1c2_1", 60.0, f"pytest-iso{k}") for k in range(3)]
     for env in envs:
         env.messages()
     count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
@@ -764,7 +769,7 @@ def test_appworld_rollouts_are_isolated_and_a_dead_or_hung_worker_fails_its_epis
     os.kill(envs[2].worker.pid, signal.SIGSTOP)  # hung: alive, never answers
     try:
         started = time.monotonic()
-        assert envs[2].call(("execute", "print(1)"), wait=1.0) is None  # step waits timeout + 60 s
+        assert envs[2].call(("step", "print(1)"), wait=1.0) is None  # step waits timeout + 5 s
         assert time.monotonic() - started < 5 and envs[2].failed and envs[2].done
         envs[2].worker.join(5)
         assert not envs[2].worker.is_alive()  # killed, not left behind
@@ -776,14 +781,14 @@ def test_appworld_rollouts_are_isolated_and_a_dead_or_hung_worker_fails_its_epis
 
 def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root):
     count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
-    env = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-reuse-a")
+    env = _appworld("5a0f1c2_1", 60.0, "pytest-reuse-a")
     env.messages()
     env.step(aw_solution("5a0f1c2_1", True))
     assert env.step(count).strip() == "2" and env.evaluate() == (4, 4)
     with open(f"/proc/{env.worker.pid}/stat") as fh:
         parent = int(fh.read().rsplit(")", 1)[1].split()[1])
     assert parent != os.getpid()  # started by the forkserver, not forked from the trainer
-    again = loop.AppWorldEnv("5a0f1c2_2", 60.0, "pytest-reuse-b")
+    again = _appworld("5a0f1c2_2", 60.0, "pytest-reuse-b")
     assert AW_TASKS["5a0f1c2_2"]["instruction"] in again.messages()[1]["content"]  # its world starts
     assert again.worker.pid == env.worker.pid  # the idle worker took the next task
     assert again.step(count).strip() == "1"  # in a world of its own: the first one's note is not there
@@ -792,18 +797,18 @@ def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root)
 
 
 def test_an_idle_worker_that_died_is_replaced_not_handed_out(appworld_root):
-    env = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-idle-a")
+    env = _appworld("5a0f1c2_1", 60.0, "pytest-idle-a")
     env.messages()
     env.step(aw_solution("5a0f1c2_1", True))
-    assert env.evaluate() == (4, 4) and loop.AppWorldEnv.idle[-1][0] is env.worker  # waits idle
+    assert env.evaluate() == (4, 4) and loop.Hosted.idle[-1][0] is env.worker  # waits idle
     env.worker.kill()  # dies while it waits
     env.worker.join(5)
-    again = loop.AppWorldEnv("5a0f1c2_1", 60.0, "pytest-idle-b")
+    again = _appworld("5a0f1c2_1", 60.0, "pytest-idle-b")
     assert AW_TASKS["5a0f1c2_1"]["instruction"] in again.messages()[1]["content"]
     assert again.worker is not env.worker and again.worker.is_alive()
     again.step(aw_solution("5a0f1c2_1", True))
     assert again.evaluate() == (4, 4) and not again.failed
-    assert all(worker.is_alive() for worker, _ in loop.AppWorldEnv.idle)
+    assert all(worker.is_alive() for worker, _ in loop.Hosted.idle)
 
 
 def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypatch):
@@ -819,9 +824,10 @@ def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypa
             n = super().__len__()
             time.sleep(0.05)  # the other thread runs meanwhile
             return n
-    monkeypatch.setattr(loop.AppWorldEnv, "idle", SlowPool([(Worker(), "idle")]))
-    monkeypatch.setattr(loop.AppWorldEnv, "start_worker", staticmethod(lambda: (Worker(), "new")))
-    taken = loop.concurrently([loop.AppWorldEnv.take_worker] * 2)
+    monkeypatch.setattr(loop.Hosted, "idle", SlowPool([(Worker(), "idle")]))
+    monkeypatch.setattr(loop.Hosted, "start_worker", lambda self: (Worker(), "new"))
+    worlds = [loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in range(2)]
+    taken = loop.concurrently([world.take_worker for world in worlds])
     assert sorted(conn for _, conn in taken) == ["idle", "new"]
 
 
@@ -835,7 +841,7 @@ def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
     import dataclasses
     cfg, _, chat = tiny
     cfg = dataclasses.replace(cfg, env="appworld", max_obs_tokens=3000, max_context=32768)
-    env = loop.AppWorldEnv("5a0f1c2_1", 30.0, "pytest-flood")
+    env = _appworld("5a0f1c2_1", 30.0, "pytest-flood")
     e = loop.start_wave([(env, "5a0f1c2_1")], chat, cfg)[0]
     env.step("1")  # the world is up and its REPL has run once
     start = time.monotonic()
@@ -1253,22 +1259,24 @@ def test_observations_are_truncated_at_a_space_with_a_note(tiny):
 
 
 def test_behaviour_counts_looking_first_and_recovering(tiny):
-    """An episode looked first when its first turn's code reads the docs, and erred when it met an
-    error observation; recovered (in the metrics) is erred and still succeeded."""
+    """An episode looked first when its first turn's code reads the docs, erred when it met an error
+    observation, and recovered when it erred and still succeeded: read from its transcript."""
     cfg, _, chat = tiny
     docs, order = 'print(apis.api_docs.show(app="shop"))', "apis.shop.order(item=1)"
 
-    def episode(codes, outputs):
+    def episode(codes, outputs, success=False, env=tiny_world.TinyWorld):
         e = loop.start_wave([(tiny_world.TinyWorld("order00_1"), "order00_1")], chat, cfg)[0]
         for turn, (code, output) in enumerate(zip(codes, outputs)):
             loop.act(e, chat.encode(fence(code)) + [chat.eot], turn, chat)
             loop.observe(e, output, False, chat, cfg)
-        return e.looked_first, e.erred
+        e.success = success
+        return loop.habits(e, env)
 
-    assert episode([docs, "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"]) == (True, False)
-    assert episode([order, docs], ["Execution failed. AttributeError: x", "shop.buy(item)"]) == (False, True)
-    assert episode(["print(1)", docs], ["1", "Execution failed. KeyError: x"]) == (False, True)  # read late
-    assert episode(["Let me think."], ["Execution successful."]) == (False, False)  # no code at all
+    assert episode([docs, "apis.shop.buy(item=1)"], ["shop.buy(item)", "ok"]) == (True, False, False)
+    assert episode([order, docs], ["Execution failed. AttributeError: x", "shop.buy(item)"], True) == (False, True, True)
+    assert episode(["print(1)", docs], ["1", "Execution failed. KeyError: x"]) == (False, True, False)  # read late
+    assert episode(["Let me think."], ["Execution successful."]) == (False, False, False)  # no code at all
+    assert episode([docs], ["Execution failed. x"], env=_Scripted) == (False, False, False)  # names neither
 
 
 def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_root):
@@ -1277,7 +1285,7 @@ def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_ro
     model, chat = tiny[1], tiny[2]
     tasks = ["5a0f1c2_1", "9d3e7b4_1"]
     torch.manual_seed(5)
-    for e in loop.rollout(model, chat, [loop.AppWorldEnv(x, cfg.code_timeout, "pytest-tiny") for x in tasks], tasks, cfg, 1.0, 2):
+    for e in loop.rollout(model, chat, [_appworld(x, cfg.code_timeout, "pytest-tiny") for x in tasks], tasks, cfg, 1.0, 2):
         assert len(e.transcript) == 2 + 2 * (1 + max(e.turn))
         rendered = chat.tok.apply_chat_template(e.transcript[:-1], tokenize=False)
         closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
@@ -1297,7 +1305,7 @@ def test_a_turns_appworld_steps_run_together(appworld_root):
     hold the others up by one time limit, not two. The others' step is one light API call, far
     from the limit on 2 cores beside two endless loops even on a slow or busy machine (a login,
     whose password check is CPU-heavy, is not: it timed out there)."""
-    envs = [loop.AppWorldEnv("5a0f1c2_1", 2.0, f"pytest-together{k}") for k in range(5)]
+    envs = [_appworld("5a0f1c2_1", 2.0, f"pytest-together{k}") for k in range(5)]
     for env in envs:
         env.messages()  # every world is up
     endless = "while True:\n    pass"
@@ -1336,10 +1344,10 @@ def _appworld_workers():
 
 
 def _no_idle_workers():
-    for worker, _ in loop.AppWorldEnv.idle:
+    for worker, _ in loop.Hosted.idle:
         worker.kill()
         worker.join(5)
-    loop.AppWorldEnv.idle.clear()
+    loop.Hosted.idle.clear()
 
 
 def test_a_rank_runs_the_worlds_of_one_wave_at_a_time(tiny, appworld_root, monkeypatch):
@@ -1353,10 +1361,10 @@ def test_a_rank_runs_the_worlds_of_one_wave_at_a_time(tiny, appworld_root, monke
         alive.append(_appworld_workers())
         return policy(*args)
     monkeypatch.setattr(loop, "generate", counting)
-    envs = [loop.AppWorldEnv("5a0f1c2_1", 30.0, f"pytest-wave{k}") for k in range(10)]
+    envs = [_appworld("5a0f1c2_1", 30.0, f"pytest-wave{k}") for k in range(10)]
     episodes = loop.rollout(tiny[1], tiny[2], envs, ["5a0f1c2_1"] * 10, cfg, 1.0, 1)
     assert len(alive) == 3 and max(alive) <= 4 and not any(e.failed for e in episodes)
-    assert len(loop.AppWorldEnv.idle) == 4 and _appworld_workers() == 4
+    assert len(loop.Hosted.idle) == 4 and _appworld_workers() == 4
 
 
 def test_worlds_that_do_not_start_cost_their_wave_one_deadline_and_count_as_failures(tiny, appworld_root,
@@ -1365,18 +1373,18 @@ def test_worlds_that_do_not_start_cost_their_wave_one_deadline_and_count_as_fail
     (their workers stopped): they fail after the start deadline, waited for together (one deadline,
     not two), are not completed and count in env_failures; the third task is solved."""
     cfg = dataclasses.replace(tiny[0], env="appworld", code_timeout=30.0, max_context=4096, eval_max_turns=1)
-    warm = loop.AppWorldEnv("5a0f1c2_1", 30.0, "pytest-warm")  # a worker that has started a world
+    warm = _appworld("5a0f1c2_1", 30.0, "pytest-warm")  # a worker that has started a world
     warm.messages()
     warm.evaluate()
-    call, hung = loop.AppWorldEnv.call, []
+    call, hung = loop.Hosted.call, []
 
     def stopping(env, message, wait):  # by task, not by start order: the wave starts them at once
-        if message[0] == "load" and env.task_id != "5a0f1c2_1":
+        if message[0] == "start" and env.task_id != "5a0f1c2_1":
             hung.append(env.worker)
             os.kill(env.worker.pid, signal.SIGSTOP)  # hung: alive, never answers
         return call(env, message, wait)
-    monkeypatch.setattr(loop.AppWorldEnv, "call", stopping)
-    monkeypatch.setattr(loop.AppWorldEnv, "START_TIMEOUT", 6)
+    monkeypatch.setattr(loop.Hosted, "call", stopping)
+    monkeypatch.setattr(loop.Hosted, "WORLD_TIMEOUT", 6)
     monkeypatch.setattr(loop, "generate", scripted_policy(aw_policy))
     start = time.monotonic()
     try:
@@ -1397,17 +1405,17 @@ import os, signal, sys, time
 sys.path.insert(0, {here!r})
 import loop
 
-def hang(env, message, wait, call=loop.AppWorldEnv.call):
-    if message[0] == "load":  # the world hangs while it starts: alive, never answers
+def hang(env, message, wait, call=loop.Hosted.call):
+    if message[0] == "start":  # the world hangs while it starts: alive, never answers
         os.kill(env.worker.pid, signal.SIGSTOP)
         print(env.worker.pid, flush=True)
     return call(env, message, wait)
 
 if __name__ == "__main__":  # the workers' forkserver imports this module again
-    loop.AppWorldEnv.call = hang
+    loop.Hosted.call = hang
     cfg = loop.parse_config(["--tiny", "--env", "appworld", "--max-context", "4096"])
     model, tok = loop.load_model_and_tokenizer(cfg)
-    envs = [loop.AppWorldEnv(task, 30.0, "pytest-interrupted") for task in ("5a0f1c2_1", "9d3e7b4_1")]
+    envs = [loop.Hosted(loop.AppWorldEnv, task, 30.0, "pytest-interrupted") for task in ("5a0f1c2_1", "9d3e7b4_1")]
     try:
         loop.rollout(model, loop.Chat(tok), envs, ["5a0f1c2_1", "9d3e7b4_1"], cfg, 1.0, 2)
     except KeyboardInterrupt:  # when the rollout gave it back; then the interpreter's own teardown
@@ -1464,12 +1472,12 @@ def test_an_error_in_a_rollout_kills_its_worlds_and_is_raised(tiny, appworld_roo
             raise RuntimeError("CUDA out of memory")
         return policy(*args, **kwargs)
     monkeypatch.setattr(loop, "generate", failing)
-    envs = [loop.AppWorldEnv("5a0f1c2_1", 30.0, f"pytest-oom{k}") for k in range(2)]
+    envs = [_appworld("5a0f1c2_1", 30.0, f"pytest-oom{k}") for k in range(2)]
     with pytest.raises(RuntimeError, match="out of memory"):
         loop.rollout(tiny[1], tiny[2], envs, ["5a0f1c2_1"] * 2, cfg, 1.0, 3)
     for env in envs:
         env.worker.join(5)
-    assert not any(env.worker.is_alive() for env in envs) and not loop.AppWorldEnv.idle
+    assert not any(env.worker.is_alive() for env in envs) and not loop.Hosted.idle
     assert _appworld_workers() == 0
 
 
@@ -1694,7 +1702,7 @@ def test_a_world_that_dies_mid_episode_leaves_its_group_and_counts_as_a_failure(
                               code_timeout=30.0, max_context=4096)
     made, advantages = [], []
 
-    class Recorded(loop.AppWorldEnv):
+    class Recorded(loop.Hosted):
         def __init__(self, *args):
             super().__init__(*args)
             made.append(self)
@@ -1710,7 +1718,7 @@ def test_a_world_that_dies_mid_episode_leaves_its_group_and_counts_as_a_failure(
     def recording(model, opt, episodes, adv, cfg):
         advantages.append(adv.tolist())
         return update(model, opt, episodes, adv, cfg)
-    monkeypatch.setitem(loop.ENVS, "appworld", Recorded)
+    monkeypatch.setattr(loop, "Hosted", Recorded)
     monkeypatch.setattr(loop, "generate", _scripted_turns(codes))
     monkeypatch.setattr(loop, "update", recording)
     model = copy.deepcopy(tiny[1])
@@ -2052,9 +2060,9 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
     for name, p in model.state_dict().items():
         assert torch.allclose(saved["model"][name], p, atol=1e-6), name
     # The 2-rank checkpoint loads in one process: weights and AdamW state within 1e-6.
-    _, fresh, _, opt = _model_and_adamw(False)
+    cfg, fresh, _, opt = _model_and_adamw(False)
     path, iteration = loop.last_checkpoint(str(tmp_path))
-    loop.load_checkpoint(path, fresh, opt)
+    loop.load_checkpoint(path, fresh, opt, cfg)
     assert iteration == 1
     from torch.distributed.checkpoint.state_dict import get_state_dict
     weights, adamw = get_state_dict(fresh, opt)
@@ -2310,7 +2318,7 @@ def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path)
     fresh, _ = loop.load_model_and_tokenizer(cfg)  # the weights before training
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     path, iteration = loop.last_checkpoint(str(tmp_path))
-    loop.load_checkpoint(path, fresh, fresh_opt)
+    loop.load_checkpoint(path, fresh, fresh_opt, cfg)
     assert iteration == 2
     for (name, trained), loaded in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(trained, loaded), name
@@ -2372,7 +2380,8 @@ def _kill_at(spec, argv):
     """Run loop.main(argv) in this process and SIGKILL it before the N-th call of "NAME:N": loop.NAME,
     or `finish` (FileSystemWriter.finish, which writes a checkpoint's metadata after its data), or
     `event` (any of EVENTS). "renamed:N" kills it right after the N-th rename of a checkpoint to
-    checkpoint.old (between save_checkpoint's two renames), "unlinked:N" after the N-th file deleted."""
+    checkpoint.old (between save_checkpoint's two renames), "unlinked:N" after the N-th file a folder's
+    deletion deleted."""
     from torch.distributed.checkpoint import FileSystemWriter
     where, n = spec.split(":")
     calls = [0]
@@ -2385,8 +2394,8 @@ def _kill_at(spec, argv):
     replace, unlink = os.replace, os.unlink
     if where == "renamed":
         os.replace = lambda src, dst: replace(src, dst) or (dst.endswith("checkpoint.old") and count())
-    elif where == "unlinked":
-        os.unlink = lambda *args, **kwargs: unlink(*args, **kwargs) or count()
+    elif where == "unlinked":  # by shutil.rmtree, which names each file in its folder (dir_fd)
+        os.unlink = lambda *args, **kwargs: unlink(*args, **kwargs) or ("dir_fd" in kwargs and count())
     elif where == "finish":
         FileSystemWriter.finish = _counted(FileSystemWriter.finish, count)
     else:
@@ -2500,6 +2509,26 @@ def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_chan
     assert final["split"] == "test" and final["seconds"] <= spans[-1] + 0.01  # its own, not the process's
     loop.main(["--resume", str(run), "--iterations", "2"])
     assert capsys.readouterr().err.strip() == f"{run} is finished (2 iterations): nothing to do"
+
+
+def test_a_resume_trains_with_the_learning_rate_and_weight_decay_it_is_given(tmp_path, capsys, monkeypatch):
+    """AdamW's saved state brings the checkpoint's lr and weight decay back: a resume that lowers
+    them trains with the new ones and says so; one that gives none trains with the run's own."""
+    run = tmp_path / "run"
+    loop.main([*quick(), "--iterations", "1", "--out", str(run)])
+    used, train_iteration = [], loop.train_iteration
+
+    def recording(model, opt, *args):
+        used.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]))
+        return train_iteration(model, opt, *args)
+    monkeypatch.setattr(loop, "train_iteration", recording)
+    capsys.readouterr()
+    loop.main(["--resume", str(run), "--iterations", "2", "--lr", "1e-6", "--weight-decay", "0.5"])
+    assert used == [(1e-6, 0.5)]
+    assert ("resuming with --lr 1e-06 (the checkpoint's: 0.0001) and --weight-decay 0.5 (the checkpoint's: 0.01)"
+            in capsys.readouterr().err)
+    loop.main(["--resume", str(run), "--iterations", "3"])  # none given: the run's own, now 1e-6
+    assert used == [(1e-6, 0.5)] * 2 and "resuming with --" not in capsys.readouterr().err
 
 
 def test_the_console_shows_a_short_line_per_row_and_the_tracker_every_number(tmp_path, capsys):

@@ -21,9 +21,13 @@ Register it from your own script and run loop's command line (see the README):
     loop.main()                     # python my_script.py --env mine --model ...
 """
 import builtins
+import multiprocessing
+import os
 import random
 import re
+import signal
 import sys
+import threading
 import time
 
 class CodeLimit(BaseException):
@@ -205,3 +209,112 @@ class TinyWorld:
         else:
             checks = [self.answer in self.phones.values(), self.answer == self.phones[last]]
         return sum(checks) + self.done, len(checks) + 1
+
+
+# How loop.py runs a world of any environment: in a worker process of its own. Agent code that
+# cannot be stopped from inside (a bare `except:` around an endless loop, a long C call such as
+# sum(range(10**12))) is stopped by killing its process; AppWorld also allows one world a process.
+def serve(conn):
+    """A worker process: one world at a time, task after task, each call answered in turn. An error
+    of the world's own ends the process: its episode fails, not the run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the trainer's to handle
+    world = None
+    while True:
+        try:
+            method, arg = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
+        if method == "start":
+            env, task_id, timeout, experiment, environ = arg
+            os.environ.update(environ)  # the trainer's now (APPWORLD_ROOT), not at the fork
+            world = env(task_id, timeout, experiment)
+            conn.send(world.messages())
+        elif method == "step":
+            conn.send((world.step(arg), getattr(world, "done", False)))
+        else:  # "evaluate", a world's last call
+            result = world.evaluate()
+            getattr(world, "close", lambda: None)()
+            world = None
+            conn.send(result)
+
+class Hosted:
+    """A world of `env` in a worker process, with the interface's methods. Every call has a deadline:
+    a world that dies or does not answer in time is killed and fails its episode (an infrastructure
+    failure: no reward, not even 0). The world starts with its episode's wave (messages()) and its
+    worker waits idle after the evaluation, for a world of the next wave."""
+
+    WORLD_TIMEOUT = 300  # seconds a world may take to start or to be evaluated (AppWorld: ~4, ~0.1)
+    MARGIN = 5  # seconds a step may take beyond the agent's time limit before its world is killed
+    idle = []  # workers waiting for a world
+    idle_lock = threading.Lock()  # a wave's worlds take and give back workers from its threads
+
+    def __init__(self, env, task_id, timeout, experiment):
+        self.env, self.task_id, self.timeout, self.experiment = env, task_id, timeout, experiment
+        self.done = self.failed = False
+        self.opening = self.worker = None
+
+    def take_worker(self):
+        with Hosted.idle_lock:
+            while Hosted.idle:
+                worker, conn = Hosted.idle.pop()
+                if worker.is_alive():  # else it died while it waited
+                    return worker, conn
+        return self.start_worker()
+
+    def start_worker(self):
+        """From the forkserver, a clean process (a fork of the trainer would inherit CUDA state, NCCL
+        threads and other threads' locks) that has imported, once for every worker it forks, loop
+        and what it imports (torch: each worker runs the main script again as it starts, and Python
+        3.11's forkserver does not preload __main__), the environment's module and what that names
+        (AppWorld: its 12 apps)."""
+        ctx = multiprocessing.get_context("forkserver")
+        preload = getattr(self.env, "preload", lambda: [])()
+        ctx.set_forkserver_preload(["__main__", "loop", self.env.__module__, *preload])
+        conn, child = ctx.Pipe()
+        worker = ctx.Process(target=serve, args=(child,), daemon=True)
+        worker.start()
+        child.close()  # so that a dead worker reads as EOF here
+        return worker, conn
+
+    def call(self, message, wait):
+        """The answer to `message` within `wait` s, or None: the world died or hung, and is killed."""
+        try:
+            self.conn.send(message)
+            if self.conn.poll(wait):
+                return self.conn.recv()
+        except (EOFError, OSError):
+            pass
+        self.worker.kill()
+        self.failed = self.done = True
+        return None
+
+    def messages(self):  # the world starts: its episode's wave begins
+        if self.opening is None:
+            self.worker, self.conn = self.take_worker()
+            if self.failed:  # closed while it was taken (close() sets failed, then reads worker)
+                self.worker.kill()
+            start = (self.env, self.task_id, self.timeout, self.experiment, dict(os.environ))
+            failed = [{"role": "user", "content": "(the world failed to start)"}]
+            self.opening = self.call(("start", start), self.WORLD_TIMEOUT) or failed
+        return self.opening
+
+    def step(self, code):
+        wait = self.timeout + self.MARGIN
+        reply = None if self.failed else self.call(("step", code), wait)
+        if reply is None:
+            return f"Environment failed: the world did not answer within {wait:g} s and was stopped."
+        output, self.done = reply
+        return output
+
+    def evaluate(self):
+        result = None if self.failed else self.call(("evaluate", None), self.WORLD_TIMEOUT)
+        if result is not None:
+            with Hosted.idle_lock:
+                Hosted.idle.append((self.worker, self.conn))
+        return result
+
+    def close(self):
+        """Kill the world's worker now: the rollout was interrupted, nothing may wait for it."""
+        self.failed = self.done = True
+        if self.worker is not None:
+            self.worker.kill()
