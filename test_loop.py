@@ -943,6 +943,37 @@ def test_agent_code_failures_become_observations():
     assert result == (0, 4) and not w.done
 
 
+UNSTOPPABLE = {"a bare except around an endless loop": "while True:\n    try:\n        while True:\n            pass\n"
+                                                        "    except:\n        pass",
+               "a long C call": "sum(range(10**12))",
+               "a recursion that swallows every exception": "def f():\n    try:\n        f()\n    except:\n"
+                                                            "        f()\nf()"}
+
+
+def test_agent_code_that_cannot_be_stopped_from_inside_fails_its_world_in_time_and_the_run_goes_on(tiny, monkeypatch):
+    """Agent code that the world's own time limit (1 s) cannot stop: the tracer's deadline fires once and
+    a bare except swallows it; a C call makes no line events; so it runs in a worker process, killed at
+    the time limit + Hosted.MARGIN. Its episode fails (no reward), the others of the turn answer, and
+    the next rollout plays in fresh workers. Before, the first of these hung the run for good."""
+    cfg = dataclasses.replace(tiny[0], batch_episodes=8)
+    codes = [*UNSTOPPABLE.values(), "print(apis.supervisor.wishlist())"]
+    monkeypatch.setattr(loop, "generate", _scripted_turns(lambda turn: codes))
+    worlds = [loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in codes]
+    started = time.monotonic()
+    episodes = loop.rollout(tiny[1], tiny[2], worlds, ["order00_1"] * len(codes), cfg, 1.0, 1)
+    seconds = time.monotonic() - started
+    assert seconds < 1.0 + loop.Hosted.MARGIN + 3, seconds
+    assert [e.failed for e in episodes] == [True, True, True, False]
+    assert all(e.transcript[-1]["content"].startswith("Environment failed") for e in episodes[:3])
+    assert episodes[3].transcript[-1]["content"] == str(loop.TinyWorld("order00_1").wishlist)
+    for world in worlds[:3]:
+        world.worker.join(5)
+        assert not world.worker.is_alive()  # killed, not left running
+    monkeypatch.setattr(loop, "generate", scripted_policy(tiny_solution))
+    again = [loop.Hosted(loop.TinyWorld, task, 1.0, "pytest") for task in ("order00_1", "phone00_1")]
+    assert [e.success for e in loop.rollout(tiny[1], tiny[2], again, ["order00_1", "phone00_1"], cfg, 1.0, 3)] == [True] * 2
+
+
 def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monkeypatch):
     """A world's module is __main__ when run as a script (a forker's own world), its name when
     imported. The same erring code gives the same observation both ways: CPython names a callee
@@ -2665,16 +2696,16 @@ def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            preexec_fn=_sigint_as_by_default)
+                            start_new_session=True, preexec_fn=_sigint_as_by_default)
     try:
         for line in proc.stdout:  # the iteration-0 evaluation is logged: training has begun
             if line.startswith("iteration 0:"):
                 break
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the worlds' workers too
         _, err = proc.communicate(timeout=60)
     finally:
-        proc.kill()
-    assert proc.returncode == 130 and "Traceback" not in err
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.strip().splitlines()[-1] == f"interrupted: continue with `python loop.py --resume {run}`"
 
 
