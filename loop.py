@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import multiprocessing
@@ -129,14 +130,27 @@ def parse_config(argv):
         where = f" in {path}"
         saved = parser.parse_args(flags)
     where = ""
-    for key in ("model", "lora") if args.resume else ():  # they fix the checkpoint's tensors
-        if getattr(args, key) not in (None, getattr(saved, key)):
-            die(f"--{key} cannot change when resuming: {args.resume}'s checkpoint holds the "
-                f"weights of {key} = {getattr(saved, key)!r}; start a new run for another")
+    if args.resume:
+        check_resume(args, saved)
     given = vars(parser.parse_args(flags + argv))  # the flags given come last: they win
     cfg = Config(**{k: given[k] for k in Config.__annotations__ if given[k] is not None})
     check_config(cfg)
     return cfg
+
+def check_resume(args, saved):
+    """What a resume cannot change: the weights the checkpoint holds, where the run is, that it
+    trains (an evaluation changes no run: --eval --model RUN/model)."""
+    for key in ("model", "lora"):
+        if getattr(args, key) not in (None, getattr(saved, key)):
+            die(f"--{key} cannot change when resuming: {args.resume}'s checkpoint holds the "
+                f"weights of {key} = {getattr(saved, key)!r}; start a new run for another")
+    if args.out is not None and os.path.abspath(args.out) != os.path.abspath(args.resume):
+        die(f"--out cannot change when resuming: the run goes on in {args.resume}")
+    if saved.eval:
+        die(f"{args.resume} is an evaluation, not a training run: there is nothing to resume")
+    if args.eval:
+        die(f"--eval does not resume a run: evaluate its model with --eval --model "
+            f"{os.path.join(args.resume, 'model')}")
 
 def read_settings(path):
     """A JSON object of settings as flags; a model directory is found beside the file."""
@@ -146,6 +160,13 @@ def read_settings(path):
         die(f"cannot read config {path}: {e}")
     if not isinstance(values, dict):
         die(f"config {path} must hold one JSON object of settings")
+    if values.get("resume") == "":  # what a run's config.json held before 2026-12-05
+        del values["resume"]
+    for key, value in values.items():
+        if key not in Config.__annotations__ or key == "resume":  # (--tiny, --config: flags)
+            die(f"{key!r} in {path} is not a setting of a run (see --help)")
+        if value is None:
+            die(f"{key!r} in {path} is null: give it a value, or leave it out for the default")
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), str(values.get("model", "")))
     if "model" in values and os.path.isdir(beside):  # tiny_config.json's assets/tiny-model
         values["model"] = os.path.normpath(beside)
@@ -232,8 +253,12 @@ def from_pretrained(path, cfg):
     tok.pad_token = tok.pad_token or tok.eos_token
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # on the host: half the memory per rank
     if cfg.fsdp and RANK > 0:  # rank 0 alone reads the weights, then sends the shards
+        adapter = pathlib.Path(path, "adapter_config.json")  # a LoRA run's model/: no config.json
+        base = json.loads(adapter.read_text())["base_model_name_or_path"] if adapter.exists() else path
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), dtype=dtype)
+        if adapter.exists():  # rank 0's LoRA layers (their small weights are read again here)
+            model.load_adapter(path)
         return model, tok
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tok
 
@@ -253,7 +278,9 @@ def load_model_and_tokenizer(cfg):
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
-        model = get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+            model = get_peft_model(model, lora)
         # the saved adapter names its base so that it loads anywhere: the id, or an absolute path
         path = os.path.expanduser(cfg.model)
         base = os.path.abspath(path) if os.path.isdir(path) else cfg.model
@@ -319,7 +346,8 @@ def logprob_head_forward(self, hidden):
             logprob_piece, hidden[s:s + self.chunk], self.weight, self.bias,
             targets.reshape(-1)[s:s + self.chunk], temperature, softcap, use_reentrant=False)
         pieces.append(piece)
-    return torch.cat(pieces).view(targets.shape)
+    # a copy, not a view: FSDP warns that an in-place op on its root's view output skips a hook
+    return torch.cat(pieces).view(targets.shape).clone()
 
 def logprob_piece(hidden, weight, bias, targets, temperature, softcap):
     logits = F.linear(hidden, weight, bias).float()
@@ -844,15 +872,28 @@ def load_checkpoint(path, model, opt, cfg):
 
 def save_model(run_dir, model, tok, iteration):
     """The full weights (or the LoRA adapter) and the tokenizer, loadable with from_pretrained,
-    and trained.json: the iterations they were trained for, which --eval of them reports."""
+    and trained.json: the iterations they were trained for, which --eval of them reports. Written
+    to model.tmp and renamed, as a checkpoint is: model/ is complete or absent (32B: minutes)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)  # every rank: it gathers the shards
     if RANK == 0:
-        model.save_pretrained(os.path.join(run_dir, "model"), state_dict=state)
-        tok.save_pretrained(os.path.join(run_dir, "model"))
+        path = os.path.join(run_dir, "model")
+        shutil.rmtree(path + ".tmp", ignore_errors=True)  # what a kill may have left
+        model.save_pretrained(path + ".tmp", state_dict=state)
+        tok.save_pretrained(path + ".tmp")
         trained = json.dumps({"run": os.path.abspath(run_dir), "iteration": iteration})
-        write_atomically(os.path.join(run_dir, "model", "trained.json"), trained)
+        pathlib.Path(path + ".tmp", "trained.json").write_text(trained)
+        if os.path.isdir(path):  # the model of a finish before this resume
+            shutil.rmtree(path + ".old", ignore_errors=True)
+            os.replace(path, path + ".old")
+        os.replace(path + ".tmp", path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
+
+def trained_to(model_dir):
+    """The iterations a run's model/ was trained for; None for any other directory."""
+    path = pathlib.Path(os.path.expanduser(model_dir), "trained.json")
+    return json.loads(path.read_text())["iteration"] if path.exists() else None
 
 def write_atomically(path, text):
     """A kill while this writes leaves the old file or the new one, never part of one."""
@@ -872,20 +913,23 @@ def read_metrics(path):
 class Log:
     """Rank 0's record of a run: each metrics row to metrics.jsonl and as a short line to the
     console; with --track every number to TensorBoard and/or wandb (imported only then), under
-    train/ or the split evaluated, with the iteration as the step."""
+    train/ or the split evaluated, with the iteration as the step. A resumed run's trackers go on
+    from `redone`, the first iteration it logs again: each iteration is in them once."""
 
-    def __init__(self, cfg, run_dir):
+    def __init__(self, cfg, run_dir, redone=0):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         names = cfg.track.split(",")
         self.tensorboard = self.wandb = None
-        if "tensorboard" in names:
+        if "tensorboard" in names:  # purge_step: what an interrupted run logged from it is hidden
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                             purge_step=redone if cfg.resume else None)
         if "wandb" in names:
             import wandb
             configured = os.environ.get("WANDB_MODE") or wandb.api.api_key  # else offline
             self.wandb = wandb.init(project="loop", dir=run_dir, config=dataclasses.asdict(cfg),
                                     name=os.path.basename(os.path.abspath(run_dir)),
+                                    id=wandb_id(run_dir), resume="allow",
                                     mode=None if configured else "offline")
 
     def __call__(self, row):
@@ -901,6 +945,13 @@ class Log:
             self.tensorboard.flush()
         if self.wandb:
             self.wandb.log(scalars, step=row["iteration"])
+
+def wandb_id(run_dir):
+    """The wandb run of a run directory, kept in it: a resume continues that run."""
+    path = os.path.join(run_dir, "wandb_id")
+    if not os.path.exists(path):
+        write_atomically(path, os.urandom(8).hex())
+    return pathlib.Path(path).read_text()
 
 def summary(row):
     """The console's line for a metrics row: the numbers to watch (metrics.jsonl has them all)."""
@@ -964,7 +1015,8 @@ def check_kv_cache(cfg, model, wave):
     fit = max(free, 0) // (per_token * cfg.max_context)
     if wave > fit:
         need = wave * per_token * cfg.max_context / 2**30
-        room = f"--batch-episodes {fit}" if fit else f"--max-context {max(free, 0) // per_token}"
+        context = max(free, 0) // (per_token * wave)  # the cap at which the whole wave fits
+        room = f"--batch-episodes {fit}" if fit else f"--max-context {context}"
         die(f"a wave of {wave} episodes of up to {cfg.max_context} tokens needs {need:.1f} GiB of "
             f"KV cache per GPU and {free / 2**30:.1f} GiB are free: set {room} or lower")
 
@@ -975,16 +1027,9 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1-process DCP
     if cfg.fsdp:
         start_distributed()
-    # rank 0 names the run directory, which every rank shares; nothing is written yet
-    name = [cfg.resume or cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
-    if WORLD > 1:
-        dist.broadcast_object_list(name)
-    run_dir = name[0]
-    if not cfg.resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        die(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
-            "or give another --out")
+    run_dir, made = (cfg.resume, []) if cfg.resume else claim(cfg)
     try:
-        run(cfg, run_dir)
+        run(cfg, run_dir, made)
     except KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
         sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
         started = os.path.exists(os.path.join(run_dir, "config.json"))
@@ -995,6 +1040,53 @@ def main(argv=None):
     if cfg.fsdp:  # not after an error: the failed rank would wait here for ranks waiting for it
         dist.barrier()  # no rank tears the group down while another still writes the model
         dist.destroy_process_group()
+
+def claim(cfg):
+    """A fresh run's directory, taken at once by writing its config.json where there is none
+    (O_EXCL): two runs never share one, whenever each started. A default name (runs/<time>) takes
+    the next free suffix. Rank 0 claims it for every rank; returns it and the folders made."""
+    claimed = [None, [], None]  # the directory, the folders made, an error
+    if RANK == 0:
+        base = cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        for n in itertools.count(1):
+            run_dir = base if n == 1 else f"{base}-{n}"
+            made = [path for path in itertools.accumulate(pathlib.Path(run_dir).parts,
+                                                          os.path.join) if not os.path.isdir(path)]
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                with open(os.path.join(run_dir, "config.json"), "x") as fh:
+                    fh.write(settings_text(cfg, run_dir))
+                claimed = [run_dir, made, None]
+                break
+            except FileExistsError:  # holds a run, or is being claimed by one
+                if cfg.out:
+                    claimed[2] = (f"{run_dir} already holds a run: continue it with --resume "
+                                  f"{run_dir}, or give another --out")
+                    break
+            except OSError as e:
+                claimed[2] = f"cannot write the run directory {run_dir}: {first_line(e)}"
+                break
+    if WORLD > 1:
+        dist.broadcast_object_list(claimed)
+    if claimed[2]:
+        die(claimed[2])
+    return claimed[0], claimed[1]
+
+def unclaim(run_dir, made):
+    """A start that failed leaves nothing: the claim's config.json and the folders it made."""
+    if RANK == 0:
+        os.remove(os.path.join(run_dir, "config.json"))
+        for path in reversed(made):  # emptied, innermost first (another run's stay)
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
+
+def settings_text(cfg, run_dir):
+    """config.json: a run's settings, read by --resume (`out` is its directory)."""
+    settings = dataclasses.asdict(cfg) | {"out": run_dir}
+    del settings["resume"]  # not a setting of the run: how it was started
+    return json.dumps(settings, indent=1)
 
 def start(cfg, run_dir, checkpoint):
     """The tasks, the model and its Chat, AdamW, the checkpoint, then config.json: a start that
@@ -1019,32 +1111,35 @@ def start(cfg, run_dir, checkpoint):
         opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if checkpoint:
         load_checkpoint(checkpoint, model, opt, cfg)
-    if RANK == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        settings = dataclasses.asdict(cfg) | {"out": run_dir, "resume": ""}
-        write_atomically(os.path.join(run_dir, "config.json"), json.dumps(settings, indent=1))
+    if RANK == 0:  # a resume's settings, now that it has started
+        write_atomically(os.path.join(run_dir, "config.json"), settings_text(cfg, run_dir))
     return model, tok, chat, opt, train_tasks
 
-def run(cfg, run_dir):
+def run(cfg, run_dir, made):
     """The iteration-0 evaluation, then LOOP's iterations, all written to run_dir."""
     metrics = os.path.join(run_dir, "metrics.jsonl")
     checkpoint, begin = last_checkpoint(run_dir) if cfg.resume else (None, 0)
-    if checkpoint and begin >= cfg.iterations and os.path.isdir(os.path.join(run_dir, "model")):
+    if begin >= cfg.iterations and trained_to(os.path.join(run_dir, "model")) == begin:
         return say(f"{run_dir} is finished ({begin} iterations): nothing to do")
-    model, tok, chat, opt, train_tasks = start(cfg, run_dir, checkpoint)
+    try:
+        model, tok, chat, opt, train_tasks = start(cfg, run_dir, checkpoint)
+    except BaseException:  # an error, die() or Ctrl-C: a failed start changes nothing on disk
+        if not cfg.resume:
+            unclaim(run_dir, made)
+        raise
     say(f"resuming {run_dir} from iteration {begin}" if checkpoint else f"writing to {run_dir}")
-    log = Log(cfg, run_dir) if RANK == 0 else lambda row: None  # rows are reduced over ranks
+    rows = []
+    if cfg.resume and RANK == 0:  # the rows up to the checkpoint: none twice, no cut line
+        rows = [r for r in read_metrics(metrics) if r["iteration"] <= begin]
+        write_atomically(metrics, "".join(json.dumps(r) + "\n" for r in rows))
+    # trackers hide what an interrupted run logged past the rows kept
+    redone = 1 + max((r["iteration"] for r in rows), default=-1)
+    log = Log(cfg, run_dir, redone) if RANK == 0 else lambda row: None  # rows reduced over ranks
     # FSDP casts by its own mixed-precision policy
     with torch.autocast(DEVICE.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
         if cfg.eval:  # a run's trained model/ reports the iteration it was trained to
-            trained = pathlib.Path(os.path.expanduser(cfg.model), "trained.json")
-            iteration = json.loads(trained.read_text())["iteration"] if trained.exists() else 0
-            log(evaluate(model, chat, cfg, cfg.split, iteration, run_dir))
+            log(evaluate(model, chat, cfg, cfg.split, trained_to(cfg.model) or 0, run_dir))
             return say(f"evaluated: {metrics}")
-        rows = []
-        if cfg.resume and RANK == 0:  # the rows up to the checkpoint: none twice, no cut line
-            rows = [r for r in read_metrics(metrics) if r["iteration"] <= begin]
-            write_atomically(metrics, "".join(json.dumps(r) + "\n" for r in rows))
         # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
         if not begin and not all_reduce([any("split" in r for r in rows)], dist.ReduceOp.MAX)[0]:
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir))
@@ -1053,6 +1148,9 @@ def run(cfg, run_dir):
             if it % cfg.eval_every == 0 or it == cfg.iterations:
                 log(evaluate(model, chat, cfg, cfg.split, it, run_dir))
             save_checkpoint(run_dir, model, opt, it)
+    if max(begin, cfg.iterations) == 0:  # evaluated only: the model is the one it started from
+        return say(f"finished: {run_dir} holds metrics.jsonl and transcripts/ (no iterations, "
+                   "so no model/)")
     save_model(run_dir, model, tok, max(begin, cfg.iterations))
     say(f"finished: {run_dir} holds metrics.jsonl, transcripts/ and the trained model/")
 

@@ -37,6 +37,14 @@ def _in_a_temporary_directory(tmp_path, monkeypatch):
 
 
 # ---------------- shared fixtures: the shipped tiny model, a small AppWorld data root, processes
+@pytest.fixture(scope="session", autouse=True)
+def _worlds_start_as_appworld_needs():
+    """The forkserver that starts every world's worker preloads what the first world's environment
+    names (a run has one): in this process both run, so it starts for AppWorld, whose 12 apps each
+    worker would otherwise import itself (3-4 s)."""
+    worker, _ = loop.Hosted(loop.AppWorldEnv, "", 1.0, "").start_worker()
+    worker.kill()
+
 @pytest.fixture(scope="module")
 def tiny():
     """The shipped tiny instruct model (assets/tiny-model), loaded as --tiny loads it."""
@@ -77,9 +85,16 @@ def _error(capsys, *argv):
     return stop.value.code, err
 
 
+# test_loop.py's _harness, run with no main file: a world's worker process runs the main file again
+# as it starts (Python 3.11's forkserver), which for this one would cost 0.2 s a worker
+HARNESS = [sys.executable, "-c", "import sys, test_loop; test_loop._harness(sys.argv[1:])"]
+
+
 def _torchrun(*args, timeout=600):
+    """loop.py, or with "test_loop.py" first a worker of _harness, on 2 gloo ranks."""
+    script = ["--no-python", *HARNESS] if args[0] == "test_loop.py" else [args[0]]
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29500 + os.getpid() % 1000), *args],
+                           "--master_port", str(29500 + os.getpid() % 1000), *script, *args[1:]],
                           capture_output=True, text=True, cwd=HERE, timeout=timeout)
 
 
@@ -178,7 +193,11 @@ def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("{not json", "cannot read config"),
     ("[1, 2]", "one JSON object"),
-    ('{"iterashuns": 3}', "unrecognized arguments: --iterashuns=3 in {path}"),
+    ('{"iterashuns": 3}', "'iterashuns' in {path} is not a setting of a run (see --help)"),
+    ('{"tiny": true}', "'tiny' in {path} is not a setting of a run"),  # --tiny and --config are flags
+    ('{"config": "other.json"}', "'config' in {path} is not a setting of a run"),
+    ('{"resume": "runs/x"}', "'resume' in {path} is not a setting of a run"),  # it would skip the resume checks
+    ('{"out": null}', "'out' in {path} is null: give it a value, or leave it out for the default"),
     ('{"iterations": "three"}', "argument --iterations: invalid int value: 'three' in {path}"),
     ('{"iterations": true}', "argument --iterations: expected one argument in {path}"),
     ('{"normalize_rewards": 1}', "--no-normalize-rewards: ignored explicit argument '1' in {path}"),
@@ -212,6 +231,7 @@ def test_settings_out_of_range_stop_before_any_work(tmp_path, capsys, flag, valu
 
 
 def test_a_run_directory_is_never_mixed_and_resume_takes_its_own_settings(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"env": "tiny"}))
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
     code, err = _error(capsys, "--tiny", "--out", str(tmp_path))
     assert code == 2 and f"--resume {tmp_path}" in err
@@ -447,7 +467,7 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     del model
-    r = _torchrun(os.path.join(HERE, "test_loop.py"), "one_read_worker", str(tmp_path / "rank1.pt"), folder, *flags)
+    r = _torchrun("test_loop.py", "one_read_worker", str(tmp_path / "rank1.pt"), folder, *flags)
     assert r.returncode == 0, r.stderr[-3000:]
     got = torch.load(tmp_path / "rank1.pt") | {"weights": torch.load(tmp_path / "rank1.pt.weights")}
     assert 400 < size_mb < 600
@@ -972,6 +992,33 @@ def test_agent_code_that_cannot_be_stopped_from_inside_fails_its_world_in_time_a
     monkeypatch.setattr(loop, "generate", scripted_policy(tiny_solution))
     again = [loop.Hosted(loop.TinyWorld, task, 1.0, "pytest") for task in ("order00_1", "phone00_1")]
     assert [e.success for e in loop.rollout(tiny[1], tiny[2], again, ["order00_1", "phone00_1"], cfg, 1.0, 3)] == [True] * 2
+
+
+FIRST_ANSWERS = """
+import sys, time
+sys.path.insert(0, {here!r})
+import loop
+
+if __name__ == "__main__":
+    for _ in range(5):
+        world = loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest")
+        started = time.monotonic()
+        world.messages()
+        print(time.monotonic() - started, flush=True)
+"""
+
+
+def test_a_new_worker_answers_without_importing_torch_again(tmp_path):
+    """A worker runs the main script again as it starts (Python 3.11's forkserver does not preload
+    __main__), whose imports the forkserver has made for it: after the first world (which starts the
+    forkserver) one answers in about 0.05 s here. Before, every worker imported torch itself, about
+    1 s each, and in a --tiny run, 72 at a time; run from a directory without loop.py beside it."""
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_ANSWERS.format(here=HERE))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, *later = map(float, r.stdout.split())
+    assert sorted(later)[len(later) // 2] < 0.4, (first, later)
 
 
 def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monkeypatch):
@@ -1669,7 +1716,7 @@ def _sampling_worker(out, *folders):
 
 def test_what_generation_sampled_is_what_the_update_scores_on_two_fsdp_ranks(tmp_path):
     folders = [make_family_model(name, tmp_path / name) for name in ARCHITECTURES]
-    r = _torchrun(os.path.join(HERE, "test_loop.py"), "sampling_worker", str(tmp_path / "out.json"), *folders)
+    r = _torchrun("test_loop.py", "sampling_worker", str(tmp_path / "out.json"), *folders)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = json.loads((tmp_path / "out.json").read_text())
     for name in ARCHITECTURES:
@@ -2063,7 +2110,7 @@ def _count_all_gathers_in_rollouts():
 
 
 def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
-    r = _torchrun(os.path.join(HERE, "test_loop.py"), "fsdp_worker", str(tmp_path / "out.json"))
+    r = _torchrun("test_loop.py", "fsdp_worker", str(tmp_path / "out.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = json.loads((tmp_path / "out.json").read_text())
     for kind in ("full", "lora"):
@@ -2225,8 +2272,9 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     assert changed and changed <= trainable
     out = tmp_path / "run"
     shutil.copytree(SHIPPED, tmp_path / "base")  # the base as a relative path, as a user may give it
-    loop.main(["--tiny", "--lora", "--model", "base", "--iterations", "1", "--tasks-per-iteration", "2",
-               "--eval-max-turns", "1", "--max-new-tokens", "8", "--out", str(out)])
+    r = _cli("--tiny", "--lora", "--model", "base", "--iterations", "1", "--tasks-per-iteration", "2",
+             "--eval-max-turns", "1", "--max-new-tokens", "8", "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr[-2000:]  # none a user cannot act on
     assert (out / "model" / "adapter_config.json").exists() and not (out / "model" / "model.safetensors").exists()
     # the adapter names its base by the absolute path, so it loads from any directory
     adapter = json.loads((out / "model" / "adapter_config.json").read_text())
@@ -2236,6 +2284,13 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     r = _cli("--tiny", "--eval", "--model", str(out / "model"), "--eval-max-turns", "1", "--max-new-tokens", "4",
              "--out", str(tmp_path / "eval"), cwd=elsewhere)
     assert r.returncode == 0, r.stderr[-2000:]
+    # and on 2 FSDP ranks, the paper's setting: rank 1 builds it from the base the adapter names
+    r = _torchrun("loop.py", "--tiny", "--fsdp", "--eval", "--model", str(out / "model"), "--eval-max-turns", "1",
+                  "--max-new-tokens", "4", "--out", str(tmp_path / "eval-fsdp"))
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr[-2000:]
+    (one,), (two,) = (loop.read_metrics(tmp_path / name / "metrics.jsonl") for name in ("eval", "eval-fsdp"))
+    assert two["per_task"] == one["per_task"] and two["reward_mean"] == pytest.approx(one["reward_mean"])
+    assert two["iteration"] == one["iteration"] == 1
     r = _cli("--tiny", "--model", str(out / "model"), "--out", str(tmp_path / "more"), cwd=elsewhere)
     assert r.returncode == 2 and "has no weights to train" in r.stderr.splitlines()[-1]
     assert not (tmp_path / "more").exists()  # a start that failed leaves no run directory
@@ -2370,7 +2425,7 @@ def test_fsdp_resumes_before_its_first_checkpoint_from_an_adamw_that_never_stepp
     assert r.returncode != 0 and not (run / "checkpoint").exists()
     assert [(row["iteration"], "split" in row) for row in loop.read_metrics(run / "metrics.jsonl")] == [(0, True)]
     r = _torchrun("loop.py", "--resume", str(run))  # its config.json has --fsdp
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr[-3000:]  # none a user cannot act on
     from torch.distributed.checkpoint import FileSystemReader
     saved = FileSystemReader(str(run / "checkpoint")).read_metadata().state_dict_metadata
     assert not any(key.startswith("optim.") for key in saved) and _train_rows(run, ("steps",)) == [0]
@@ -2409,7 +2464,8 @@ def _counted(function, count):
 
 def _kill_at(spec, argv):
     """Run loop.main(argv) in this process and SIGKILL it before the N-th call of "NAME:N": loop.NAME,
-    or `finish` (FileSystemWriter.finish, which writes a checkpoint's metadata after its data), or
+    or `finish` (FileSystemWriter.finish, which writes a checkpoint's metadata after its data), `weights`
+    (the final model's weights file), or
     `event` (any of EVENTS). "renamed:N" kills it right after the N-th rename of a checkpoint to
     checkpoint.old (between save_checkpoint's two renames), "unlinked:N" after the N-th file a folder's
     deletion deleted."""
@@ -2429,6 +2485,9 @@ def _kill_at(spec, argv):
         os.unlink = lambda *args, **kwargs: unlink(*args, **kwargs) or ("dir_fd" in kwargs and count())
     elif where == "finish":
         FileSystemWriter.finish = _counted(FileSystemWriter.finish, count)
+    elif where == "weights":  # the safetensors file of save_pretrained, after its config.json
+        import transformers.modeling_utils as modeling
+        modeling.safe_save_file = _counted(modeling.safe_save_file, count)
     else:
         for name in EVENTS if where == "event" else [where]:
             setattr(loop, name, _counted(getattr(loop, name), count))
@@ -2461,7 +2520,8 @@ KILLS = {"during the first evaluation": ("concurrently:2", set()),  # its first 
          "while the checkpoint before is deleted": ("unlinked:1", {"checkpoint", "checkpoint.old"}),
          "right after a checkpoint": ("train_iteration:2", {"checkpoint"}),
          "during an update": ("minibatch_backward:3", {"checkpoint"}),
-         "while the final model is written": ("save_model:1", {"checkpoint"})}
+         "before the final model is written": ("save_model:1", {"checkpoint"}),
+         "while the final model's weights are written": ("weights:1", {"checkpoint", "model.tmp"})}
 
 
 @pytest.mark.parametrize("moment", [*KILLS, "at seeded random moment 1", "at seeded random moment 2",
@@ -2473,7 +2533,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbro
     else:
         where, left = f"event:{random.Random(int(moment[-1])).randint(1, events)}", None
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, os.path.join(HERE, "test_loop.py"), "kill_at", where, *KILL_RUN,
+    r = subprocess.run([*HARNESS, "kill_at", where, *KILL_RUN,
                         "--out", str(run)], capture_output=True, text=True, cwd=HERE, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     folders = {p.name for p in run.iterdir() if p.is_dir() and p.name != "transcripts"}
@@ -2484,6 +2544,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbro
     loop.main(["--resume", str(run)])
     assert _logged(run) == rows, where  # every iteration once, with the unbroken run's numbers
     assert (run / "model" / "model.safetensors").exists() and not (run / "checkpoint.old").exists()
+    assert {p.name for p in run.iterdir() if p.is_dir()} == {"checkpoint", "model", "transcripts"}
 
 
 def test_each_iteration_samples_its_own_tasks_and_a_resumed_one_samples_the_same(tiny, monkeypatch):
@@ -2510,12 +2571,21 @@ def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_chan
     assert f"writing to {run}" in capsys.readouterr().err
     config = (run / "config.json").read_text()
     assert json.loads(config)["out"] == str(run)
+    evaluation = tmp_path / "evaluation"
+    loop.main([*quick(), "--eval", "--out", str(evaluation)])
+    capsys.readouterr()
     for flags, message in [(["--lora"], "--lora cannot change when resuming"),
                            (["--model", str(tmp_path / "other")], "--model cannot change when resuming"),
-                           (["--iterations", "2", "--split", "nosuch"], "splits are train and test")]:
+                           (["--iterations", "2", "--split", "nosuch"], "splits are train and test"),
+                           (["--out", str(tmp_path / "elsewhere")], f"--out cannot change when resuming: the run goes on in {run}"),
+                           (["--eval"], f"--eval does not resume a run: evaluate its model with --eval --model {run}/model")]:
         code, err = _error(capsys, "--resume", str(run), *flags)
         assert code == 2 and message in err
         assert (run / "config.json").read_text() == config  # rewritten only once a resume started
+    rows = (evaluation / "metrics.jsonl").read_text()
+    code, err = _error(capsys, "--resume", str(evaluation))  # it would evaluate again as iteration 0
+    assert code == 2 and f"{evaluation} is an evaluation, not a training run: there is nothing to resume" in err
+    assert (evaluation / "metrics.jsonl").read_text() == rows and not (tmp_path / "elsewhere").exists()
 
     def unreadable(*args):
         raise RuntimeError("a checkpoint that cannot be read")
@@ -2582,6 +2652,25 @@ def test_the_console_shows_a_short_line_per_row_and_the_tracker_every_number(tmp
     assert "train/per_task" not in events.Tags()["scalars"]
 
 
+def test_trackers_hold_each_iteration_once_after_a_resume(tmp_path):
+    """Killed after iteration 2 was logged but before its checkpoint, then resumed: iteration 2 is
+    trained again and logged again. TensorBoard's purge step hides the first one (before, its event
+    file held train/reward_mean at step 2 twice)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = tmp_path / "run"
+    r = subprocess.run([*HARNESS, "kill_at", "save_checkpoint:2", *KILL_RUN,
+                        "--track", "tensorboard", "--out", str(run)], capture_output=True, text=True, cwd=HERE, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    loop.main(["--resume", str(run)])
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    rows = loop.read_metrics(run / "metrics.jsonl")
+    for tag, split in [("train/reward_mean", None), ("test/tgc", "test")]:
+        steps = [s.step for s in events.Scalars(tag)]
+        assert steps == [r["iteration"] for r in rows if r.get("split") == split] == sorted(set(steps)), tag
+    assert [s.value for s in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in rows if "split" not in r])
+
+
 def test_wandb_logs_offline_unless_configured_with_the_iteration_as_step(tmp_path, monkeypatch):
     import importlib.machinery
     import types
@@ -2600,6 +2689,51 @@ def test_wandb_logs_offline_unless_configured_with_the_iteration_as_step(tmp_pat
     rows = loop.read_metrics(run / "metrics.jsonl")
     assert [step for _, step, _ in logs] == [r["iteration"] for r in rows] == [0, 1, 1]
     assert logs[1][2]["train/reward_mean"] == pytest.approx(rows[1]["reward_mean"])
+    calls.clear()  # a resume continues the same wandb run, whose id the run directory keeps
+    loop.main(["--resume", str(run), "--iterations", "2"])
+    (_, again), *logs = calls
+    assert again["id"] == init["id"] == (run / "wandb_id").read_text() and again["resume"] == "allow"
+    assert [step for _, step, _ in logs] == [2, 2]
+
+
+def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_never_collide(tmp_path, capsys, monkeypatch):
+    """Two runs into one directory: the second stops with one line before it loads a model, while
+    the first has not logged anything yet (before, it checked for metrics.jsonl, written only after
+    the iteration-0 evaluation, and both ran into it). Two runs started in the same second without
+    --out get a directory each; a failed start leaves none."""
+    run = tmp_path / "run"
+    first, _ = loop.claim(loop.parse_config(["--tiny", "--out", str(run)]))  # a run starting up
+    assert first == str(run) and json.loads((run / "config.json").read_text())["out"] == str(run)
+
+    def loading(cfg):
+        raise AssertionError("the model was loaded")
+    with monkeypatch.context() as mp:
+        mp.setattr(loop, "load_model_and_tokenizer", loading)
+        code, err = _error(capsys, "--tiny", "--out", str(run))
+    assert code == 2 and f"{run} already holds a run: continue it with --resume {run}" in err
+    with monkeypatch.context() as mp:
+        mp.setattr(time, "strftime", lambda *args: "20261204-184601")
+        claims = [loop.claim(loop.parse_config(["--tiny"])) for _ in range(3)]
+        code, _ = _error(capsys, "--tiny", "--model", str(tmp_path / "nothing"))  # a start that fails
+    assert [path for path, _ in claims] == ["runs/20261204-184601", "runs/20261204-184601-2", "runs/20261204-184601-3"]
+    assert code == 2 and sorted(os.listdir("runs")) == ["20261204-184601", "20261204-184601-2", "20261204-184601-3"]
+    (tmp_path / "together").mkdir()
+    started = [subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--iterations", "0", "--seed",
+                                 str(seed)], cwd=tmp_path / "together", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for seed in (1, 2)]
+    outputs = [proc.communicate(timeout=300) for proc in started]
+    assert all(proc.returncode == 0 for proc in started), outputs
+    runs = sorted(p for p in (tmp_path / "together" / "runs").iterdir())
+    assert len(runs) == 2 and sorted(json.loads((p / "config.json").read_text())["seed"] for p in runs) == [1, 2]
+    assert all(len(loop.read_metrics(p / "metrics.jsonl")) == 1 for p in runs)
+
+
+def test_an_evaluation_only_run_writes_no_model(tmp_path, capsys):
+    """--iterations 0 evaluates the model it starts from: writing that model again (64 GB at 32B)
+    would add nothing."""
+    loop.main([*quick(), "--iterations", "0", "--out", str(tmp_path / "run")])
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "metrics.jsonl", "transcripts"]
+    assert "no iterations, so no model/" in capsys.readouterr().err
 
 
 def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkeypatch):
@@ -2772,6 +2906,12 @@ def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_firs
     with pytest.raises(SystemExit):
         loop.check_kv_cache(cfg, qwen32b, 1)
     assert "set --max-context 16384 or lower" in capsys.readouterr().err
+    for wave in (1, 6, 5):  # what it says to set fits its wave (before, 6 were told the cap of 1)
+        with pytest.raises(SystemExit):
+            loop.check_kv_cache(cfg, qwen32b, wave)
+        flag, value = re.search(r"set (--[\w-]+) (\d+) or lower", capsys.readouterr().err).groups()
+        applied = dataclasses.replace(cfg, **{flag[2:].replace("-", "_"): int(value)})
+        loop.check_kv_cache(applied, qwen32b, min(wave, applied.batch_episodes))  # fits: nothing happens
     # gathered for sampling, the 65 GB of bf16 weights leave no room for one episode on 80 GB
     free["bytes"] = int(80e9 - 8.4e9)
     with pytest.raises(SystemExit):
@@ -3093,13 +3233,15 @@ def test_plot_draws_the_curves_and_the_behaviour_of_a_run(tmp_path, capsys):
     assert "no behaviour.png" in capsys.readouterr().out
 
 
-if __name__ == "__main__" and sys.argv[1] == "fsdp_worker":
-    _fsdp_worker(sys.argv[2])
-if __name__ == "__main__" and sys.argv[1] == "sampling_worker":
-    _sampling_worker(sys.argv[2], *sys.argv[3:])
-if __name__ == "__main__" and sys.argv[1] == "one_read_worker":
-    _one_read_worker(*sys.argv[2:])
-if __name__ == "__main__" and sys.argv[1] == "fail_on_rank_1":
-    _fail_on_rank_1(sys.argv[2], sys.argv[3:])
-if __name__ == "__main__" and sys.argv[1] == "kill_at":
-    _kill_at(sys.argv[2], sys.argv[3:])
+def _harness(argv):
+    """A worker of a test, in a process of its own: NAME and its arguments."""
+    name, first, *rest = argv
+    if name in ("kill_at", "fail_on_rank_1"):
+        {"kill_at": _kill_at, "fail_on_rank_1": _fail_on_rank_1}[name](first, rest)
+    else:
+        {"fsdp_worker": _fsdp_worker, "sampling_worker": _sampling_worker,
+         "one_read_worker": _one_read_worker}[name](first, *rest)
+
+
+if __name__ == "__main__":
+    _harness(sys.argv[1:])

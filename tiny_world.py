@@ -1,6 +1,7 @@
 """The tiny world: an offline miniature of AppWorld, and the template for a new environment.
 
-Copy this file to train in your own environment. loop.py makes one object per episode and calls:
+Copy TinyWorld (and run_code) to train in your own environment. loop.py makes one world per
+episode, each in a worker process of its own (Hosted, at the end of this file), and calls:
 
     Env.tasks(split)                -> task ids "<scenario>_<n>" (scenario: what SGC groups by);
                                        raise ValueError for a split it does not have
@@ -10,11 +11,17 @@ Copy this file to train in your own environment. loop.py makes one object per ep
     env.done                        -> optional: True once the task is finished (default False:
                                        the episode runs to --max-turns)
     env.evaluate()                  -> (tests passed, tests total), or None if the world failed
-    env.close()                     -> optional: free the world now (the rollout was interrupted)
+    env.close()                     -> optional: free the world after its evaluation, before its
+                                       worker process serves the next one
+    Env.preload()                   -> optional: modules every worker needs (AppWorld: its apps),
+                                       imported once for all of them
     Env.DOCS_CALL, Env.ERROR_PREFIX    optional: code text that reads documentation and the start
                                        of an error observation, for the behaviour shares
 
-Register it from your own script and run loop's command line (see the README):
+A world that raises, dies or does not answer in time (its step: `timeout` + Hosted.MARGIN s) fails
+its episode: no reward, and the run goes on. The class must be importable by its module's name
+(defined at a module's top level), since a worker process imports it. Register it from your own
+script and run loop's command line (see the README):
 
     import loop, my_world
     loop.ENVS["mine"] = my_world.MyWorld
@@ -263,13 +270,13 @@ class Hosted:
 
     def start_worker(self):
         """From the forkserver, a clean process (a fork of the trainer would inherit CUDA state, NCCL
-        threads and other threads' locks) that has imported, once for every worker it forks, loop
-        and what it imports (torch: each worker runs the main script again as it starts, and Python
-        3.11's forkserver does not preload __main__), the environment's module and what that names
+        threads and other threads' locks) that has imported, once for every worker it forks, torch
+        (a worker runs the main script again as it starts, as Python 3.11's forkserver does not
+        preload __main__: its imports are then done), the environment's module and what that names
         (AppWorld: its 12 apps)."""
         ctx = multiprocessing.get_context("forkserver")
         preload = getattr(self.env, "preload", lambda: [])()
-        ctx.set_forkserver_preload(["__main__", "loop", self.env.__module__, *preload])
+        ctx.set_forkserver_preload(["__main__", "torch", self.env.__module__, *preload])
         conn, child = ctx.Pipe()
         worker = ctx.Process(target=serve, args=(child,), daemon=True)
         worker.start()
@@ -308,7 +315,7 @@ class Hosted:
 
     def evaluate(self):
         result = None if self.failed else self.call(("evaluate", None), self.WORLD_TIMEOUT)
-        if result is not None:
+        if not self.failed:  # it answered: its worker serves a world of the next wave
             with Hosted.idle_lock:
                 Hosted.idle.append((self.worker, self.conn))
         return result

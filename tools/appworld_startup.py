@@ -40,7 +40,7 @@ def main(argv):
     for iteration in range(args.iterations):
         first.clear()
         start = time.monotonic()
-        envs = [loop.AppWorldEnv(task, cfg.code_timeout, f"startup-{iteration}-{i}")
+        envs = [loop.Hosted(loop.AppWorldEnv, task, cfg.code_timeout, f"startup-{iteration}-{i}")
                 for i, task in enumerate(tasks)]
         loop.rollout(model, chat, envs, tasks, cfg, 1.0, 1)
         print(f"iteration {iteration}: first generated token after {first[0] - start:.1f} s "
