@@ -244,6 +244,19 @@ def serve(conn):
             world = None
             conn.send(result)
 
+def start_forkserver():
+    """Python 3.11's forkserver imports its preload modules on its own sys.path, not the trainer's
+    (loop.py's directory is on neither when a run starts elsewhere): PYTHONPATH gives it that."""
+    import multiprocessing.forkserver
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:  # the trainer's own environment as it was
+        del os.environ["PYTHONPATH"]
+        if path is not None:
+            os.environ["PYTHONPATH"] = path
+
 class Hosted:
     """A world of `env` in a worker process, with the interface's methods. Every call has a deadline:
     a world that dies or does not answer in time is killed and fails its episode (an infrastructure
@@ -254,6 +267,7 @@ class Hosted:
     MARGIN = 5  # seconds a step may take beyond the agent's time limit before its world is killed
     idle = []  # workers waiting for a world
     idle_lock = threading.Lock()  # a wave's worlds take and give back workers from its threads
+    forkserver_started = False
 
     def __init__(self, env, task_id, timeout, experiment):
         self.env, self.task_id, self.timeout, self.experiment = env, task_id, timeout, experiment
@@ -270,13 +284,17 @@ class Hosted:
 
     def start_worker(self):
         """From the forkserver, a clean process (a fork of the trainer would inherit CUDA state, NCCL
-        threads and other threads' locks) that has imported, once for every worker it forks, torch
-        (a worker runs the main script again as it starts, as Python 3.11's forkserver does not
-        preload __main__: its imports are then done), the environment's module and what that names
-        (AppWorld: its 12 apps)."""
+        threads and other threads' locks) that has imported, once for every worker it forks, loop
+        and what it imports (torch: a worker runs the main script again as it starts, as Python
+        3.11's forkserver does not preload __main__, and finds them imported), the environment's
+        module and what that names (AppWorld: its 12 apps)."""
         ctx = multiprocessing.get_context("forkserver")
-        preload = getattr(self.env, "preload", lambda: [])()
-        ctx.set_forkserver_preload(["__main__", "torch", self.env.__module__, *preload])
+        with Hosted.idle_lock:  # the first world's thread starts the forkserver for all
+            if not Hosted.forkserver_started:
+                preload = getattr(self.env, "preload", lambda: [])()
+                ctx.set_forkserver_preload(["loop", self.env.__module__, *preload])
+                start_forkserver()
+                Hosted.forkserver_started = True
         conn, child = ctx.Pipe()
         worker = ctx.Process(target=serve, args=(child,), daemon=True)
         worker.start()
