@@ -1,4 +1,4 @@
-"""The real AppWorld (appworld.dev): the second example of the interface in tiny_world.py's docstring.
+"""The real AppWorld (appworld.dev): the interface of tiny_world.py's docstring, second example.
 
 An episode is a task of an AppWorld split: our ReAct-style prompt (assets/appworld_prompt.txt), the
 task with its date and supervisor, the agent's code run by `world.execute`, and reward and success
@@ -30,9 +30,9 @@ class AppWorldEnv:
         root = os.environ.get("APPWORLD_ROOT", os.getcwd())
         name = "train" if split == "train_paper" else split
         if not os.path.exists(os.path.join(root, "data", "datasets", f"{name}.txt")):
-            raise ValueError(f"no AppWorld data for split {name!r} under {root}/data: run `appworld "
-                             "download data` once (it needs the internet), or set APPWORLD_ROOT to "
-                             "the folder with data/")
+            raise ValueError(f"no AppWorld data for split {name!r} under {root}/data: run "
+                             "`appworld download data` once (it needs the internet), or set "
+                             "APPWORLD_ROOT to the folder with data/")
         from appworld import load_task_ids
         if split == "train_paper":  # the paper's training set: train tasks of difficulty 1 and 2
             return load_task_ids("train", difficulty=1) + load_task_ids("train", difficulty=2)
@@ -55,8 +55,8 @@ class AppWorldEnv:
         task = self.world.task
         s = task.supervisor
         me = f"My name is {s.first_name} {s.last_name}, email {s.email}, phone {s.phone_number}"
-        return [{"role": "system", "content": self.PROMPT},
-                {"role": "user", "content": f"Date: {task.datetime}\n{me}.\nTask: {task.instruction}"}]
+        opening = f"Date: {task.datetime}\n{me}.\nTask: {task.instruction}"
+        return [{"role": "system", "content": self.PROMPT}, {"role": "user", "content": opening}]
 
     def step(self, code):
         output = self.world.execute(code)

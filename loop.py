@@ -13,6 +13,7 @@ first. The others are infrastructure (settings, model, worlds, checkpoints): no 
 import argparse
 import dataclasses
 import functools
+import glob
 import importlib.util
 import itertools
 import json
@@ -47,7 +48,7 @@ def setting(default, doc):
 @dataclasses.dataclass
 class Config:
     # the run
-    env: str = setting("appworld", "appworld, or tiny: an offline miniature of AppWorld.")
+    env: str = setting("appworld", "appworld, tiny (AppWorld in miniature), or your module:Class.")
     model: str = setting("Qwen/Qwen2.5-32B-Instruct", "Hugging Face model id or local directory.")
     seed: int = setting(0, "Seed for Python, torch and task sampling.")
     out: str = setting("", "Run directory of metrics, transcripts, weights (default runs/<time>).")
@@ -105,24 +106,35 @@ def die(message):
 def flag(name):
     return "--" + name.replace("_", "-")
 
+def settings_parser(shown):
+    """The command line; each setting's help shows its value in `shown` (after --tiny: tiny's)."""
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,  # --iteration: no
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     add_help=False)  # --help is read after --tiny and --config
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit "
+                        "(after --tiny, --config or --resume: with the values that run uses)")
+    parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
+    parser.add_argument("--tiny", action="store_true", help="the settings of tiny_config.json")
+    for f in dataclasses.fields(Config):
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
+        kind.update({"choices": RATIOS} if f.name == "ratio" else {})
+        value = shown[f.name]
+        parser.add_argument(flag(f.name), **kind, help=f.metadata["doc"] + (
+            f" (default: {value})" if value != "" else ""))
+    return parser
+
 def parse_config(argv):
     """Defaults <- tiny_config.json (--tiny) <- --config FILE (or the resumed run's) <- flags.
     A file's settings are read as the flags they name: one parser checks every layer."""
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,  # --iteration: no
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
-    parser.add_argument("--tiny", action="store_true", help="the settings of tiny_config.json")
-    choices = {"env": list(ENVS), "ratio": RATIOS}
-    for f in dataclasses.fields(Config):
-        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
-        kind.update({"choices": choices[f.name]} if f.name in choices else {})
-        doc = f.metadata["doc"] + (f" (default: {f.default})" if f.default != "" else "")
-        parser.add_argument(flag(f.name), **kind, help=doc)
+    parser = settings_parser({f.name: f.default for f in dataclasses.fields(Config)})
     where = ""  # the file whose settings are being read
     parser.error = lambda message: die(f"{message}{where} (see --help)")  # one line, no usage
     args = parser.parse_args(argv)
     if args.resume and (args.tiny or args.config):
         die("--resume continues with the settings of the run it resumes: change them with flags")
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "config.json")):
+        die(f"{args.resume} is not a run directory (it has no config.json): give the --out of "
+            "the run to continue")
     files = [TINY_CONFIG] * args.tiny + [args.config] * bool(args.config)
     flags = []
     for path in [os.path.join(args.resume, "config.json")] if args.resume else files:
@@ -130,6 +142,11 @@ def parse_config(argv):
         where = f" in {path}"
         saved = parser.parse_args(flags)
     where = ""
+    if args.help:
+        layered = vars(parser.parse_args(flags))
+        settings_parser({f.name: layered[f.name] if layered[f.name] is not None else f.default
+                         for f in dataclasses.fields(Config)}).print_help()
+        sys.exit(0)
     if args.resume:
         check_resume(args, saved)
     given = vars(parser.parse_args(flags + argv))  # the flags given come last: they win
@@ -176,6 +193,7 @@ def read_settings(path):
 
 def check_config(cfg):
     """Every setting checked before any work starts: a 0 would divide by zero or train nothing."""
+    environment(cfg.env)
     for name in filter(None, cfg.track.split(",")):
         if name not in TRACKERS:
             die(f"--track takes {' or '.join(TRACKERS)} or both (comma-separated), not {name!r}")
@@ -214,6 +232,10 @@ def all_reduce(values, op=dist.ReduceOp.SUM):
     dist.all_reduce(t, op)
     return t.tolist()
 
+MODEL_FILES = {"config.json": ["config.json", "adapter_config.json"],  # (a LoRA adapter's)
+               "weights (*.safetensors)": ["*.safetensors", "*.bin"],
+               "tokenizer (tokenizer.json)": ["tokenizer.json", "tokenizer.model", "vocab.json"]}
+
 def load_pretrained(cfg):
     """A local directory (a run's model/ too) or a Hugging Face id, from the cache, else the hub.
     A model that cannot load stops the run with one line that says why."""
@@ -221,6 +243,10 @@ def load_pretrained(cfg):
     path = os.path.expanduser(cfg.model)
     if os.path.exists(os.path.join(path, "metrics.jsonl")):  # `--model runs/x`
         die(f"{cfg.model} is a run directory: its trained model is {os.path.join(path, 'model')}")
+    missing = [what for what, patterns in MODEL_FILES.items()
+               if os.path.isdir(path) and not any(glob.glob(p, root_dir=path) for p in patterns)]
+    if missing:
+        die(f"{cfg.model} holds no model: it has no {', no '.join(missing)}")
     try:
         if not os.path.isdir(path):  # by id, from_pretrained would ask the hub about every file
             try:
@@ -254,7 +280,9 @@ def from_pretrained(path, cfg):
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # on the host: half the memory per rank
     if cfg.fsdp and RANK > 0:  # rank 0 alone reads the weights, then sends the shards
         adapter = pathlib.Path(path, "adapter_config.json")  # a LoRA run's model/: no config.json
-        base = json.loads(adapter.read_text())["base_model_name_or_path"] if adapter.exists() else path
+        base = path
+        if adapter.exists():
+            base = json.loads(adapter.read_text())["base_model_name_or_path"]
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), dtype=dtype)
         if adapter.exists():  # rank 0's LoRA layers (their small weights are read again here)
@@ -376,6 +404,30 @@ def extract_code(text):
     return "\n".join(b.rstrip() for b in blocks)
 
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
+REQUIRED = ["tasks", "messages", "step", "evaluate"]  # of an environment class: the interface
+
+def environment(name):
+    """The world class --env names: a built-in one (ENVS), or module:Class from a module that
+    Python can import (a file module.py in the current directory too)."""
+    if name in ENVS:
+        return ENVS[name]
+    module_name, _, class_name = name.partition(":")
+    if not (module_name and class_name):
+        die(f"--env takes {', '.join(ENVS)} or module:Class (your world), not {name!r}")
+    if os.getcwd() not in sys.path:  # as `python -m` does; the workers inherit sys.path
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - not found, or its own error: one line either way
+        die(f"--env {name}: cannot import {module_name}: {type(e).__name__}: {first_line(e)}")
+    env = getattr(module, class_name, None)
+    if not isinstance(env, type):
+        die(f"--env {name}: {module_name} has no class {class_name}")
+    missing = [member for member in REQUIRED if not callable(getattr(env, member, None))]
+    if missing:
+        die(f"--env {name}: {class_name} has no {', '.join(missing)} (the interface is in "
+            "tiny_world.py's docstring)")
+    return env
 
 
 # 4. Rollouts (ALGO LOGIC): the POMDP of paper §4.1. One token sequence per episode; `is_output`
@@ -765,7 +817,7 @@ def goal_completion(results):
 def evaluate(model, chat, cfg, split, iteration, run_dir):
     """One episode per task of `split`: the metrics row; 3 of the episodes to transcripts/."""
     started = time.time()
-    env = ENVS[cfg.env]
+    env = environment(cfg.env)
     tasks = env.tasks(split)[RANK::WORLD]  # each rank plays its share; rank 0 gathers the results
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
     envs = [Hosted(env, t, cfg.code_timeout, experiment) for t in tasks]
@@ -977,15 +1029,15 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     tasks = random.Random(seed).sample(train_tasks, n_tasks)[RANK::WORLD]
     k = cfg.rollouts_per_task
     task_ids = [task for task in tasks for _ in range(k)]  # a task's K rollouts share a rank
+    env = environment(cfg.env)
     # the K worlds of a task save their outputs apart
-    envs = [Hosted(ENVS[cfg.env], task, cfg.code_timeout, f"loop-train-rollout{i % k}")
+    envs = [Hosted(env, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
             for i, task in enumerate(task_ids)]
     episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
     valid = torch.tensor([not e.failed for e in episodes]).view(len(tasks), k)
     advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
     stats = update(model, opt, episodes, advantages, cfg)
-    env = ENVS[cfg.env]
     habit = [habits(e, env) for e in episodes] or [(0, 0, 0)]  # (a rank may have no episode)
     n, failures, reward, success, turns, tokens, looked, erred, recovered = all_reduce([
         len(episodes), sum(e.failed for e in episodes), (rewards * valid).sum().item(),
@@ -1047,7 +1099,7 @@ def claim(cfg):
     the next free suffix. Rank 0 claims it for every rank; returns it and the folders made."""
     claimed = [None, [], None]  # the directory, the folders made, an error
     if RANK == 0:
-        base = cfg.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        base = cfg.out or default_out(cfg)
         for n in itertools.count(1):
             run_dir = base if n == 1 else f"{base}-{n}"
             made = [path for path in itertools.accumulate(pathlib.Path(run_dir).parts,
@@ -1072,6 +1124,17 @@ def claim(cfg):
         die(claimed[2])
     return claimed[0], claimed[1]
 
+def default_out(cfg):
+    """runs/<time>; an evaluation is named after what it evaluates: RUN/eval-<split> for a run's
+    model/, else runs/eval-<the model's name>-<split>."""
+    if not cfg.eval:
+        return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    model = os.path.normpath(os.path.expanduser(cfg.model))
+    run_dir = os.path.dirname(model)
+    if os.path.basename(model) == "model" and os.path.isfile(os.path.join(run_dir, "config.json")):
+        return os.path.join(run_dir, f"eval-{cfg.split}")
+    return os.path.join("runs", f"eval-{os.path.basename(model)}-{cfg.split}")
+
 def unclaim(run_dir, made):
     """A start that failed leaves nothing: the claim's config.json and the folders it made."""
     if RANK == 0:
@@ -1091,11 +1154,15 @@ def settings_text(cfg, run_dir):
 def start(cfg, run_dir, checkpoint):
     """The tasks, the model and its Chat, AdamW, the checkpoint, then config.json: a start that
     fails leaves the run directory as it was, or none."""
+    env = environment(cfg.env)
     try:  # a missing data root or an unknown split stops before the model loads
-        eval_tasks = ENVS[cfg.env].tasks(cfg.split)
-        train_tasks = [] if cfg.eval else ENVS[cfg.env].tasks(cfg.train_split)
+        eval_tasks = env.tasks(cfg.split)
+        train_tasks = [] if cfg.eval else env.tasks(cfg.train_split)
     except ValueError as e:
         die(str(e))
+    if len(train_tasks) < cfg.tasks_per_iteration and not cfg.eval:
+        say(f"note: --tasks-per-iteration {cfg.tasks_per_iteration} is more than the "
+            f"{len(train_tasks)} tasks of {cfg.train_split}: each iteration plays all of them")
     model, tok = load_model_and_tokenizer(cfg)
     chat = chat_of(model, tok)
     if DEVICE.type == "cuda":  # the most episodes a rank plays in one rollout, in waves
@@ -1127,7 +1194,11 @@ def run(cfg, run_dir, made):
         if not cfg.resume:
             unclaim(run_dir, made)
         raise
-    say(f"resuming {run_dir} from iteration {begin}" if checkpoint else f"writing to {run_dir}")
+    if cfg.resume:
+        say(f"resuming {run_dir} from iteration {begin}" if checkpoint else
+            f"starting {run_dir} again from iteration 0 (no checkpoint yet)")
+    else:
+        say(f"writing to {run_dir}")
     rows = []
     if cfg.resume and RANK == 0:  # the rows up to the checkpoint: none twice, no cut line
         rows = [r for r in read_metrics(metrics) if r["iteration"] <= begin]
@@ -1152,7 +1223,21 @@ def run(cfg, run_dir, made):
         return say(f"finished: {run_dir} holds metrics.jsonl and transcripts/ (no iterations, "
                    "so no model/)")
     save_model(run_dir, model, tok, max(begin, cfg.iterations))
-    say(f"finished: {run_dir} holds metrics.jsonl, transcripts/ and the trained model/")
+    say(f"finished: {run_dir} holds metrics.jsonl, transcripts/ and the trained model/. Next: "
+        f"its figures, its model's evaluation, the model playing a task:\n"
+        f"{next_steps(cfg, run_dir)}")
+
+def next_steps(cfg, run_dir):
+    """The commands that look at a finished run (the tiny world's settings are --tiny's)."""
+    model = os.path.join(run_dir, "model")
+    settings = "--tiny" if cfg.env == "tiny" else f"--env {cfg.env}" + " --bf16" * cfg.bf16
+    settings += f" --split {cfg.split}" * (cfg.split != Config.split)
+    task = environment(cfg.env).tasks(cfg.split)[0]
+    script = sys.argv[0]  # loop.py, or the script that registered the environment
+    launcher = f"torchrun --nproc_per_node G {script} --fsdp" if cfg.fsdp else f"python {script}"
+    return (f"  python tools/plot.py {run_dir}\n"
+            f"  {launcher} {settings} --eval --model {model}\n"
+            f"  python tools/play.py {settings} --model {model} --task {task}")
 
 if __name__ == "__main__":
     main()

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -237,6 +238,9 @@ def test_a_run_directory_is_never_mixed_and_resume_takes_its_own_settings(tmp_pa
     assert code == 2 and f"--resume {tmp_path}" in err
     code, err = _error(capsys, "--tiny", "--resume", str(tmp_path))
     assert code == 2 and "--resume continues with the settings" in err
+    code, err = _error(capsys, "--resume", str(tmp_path.parent))  # the folder above a run
+    assert err == (f"error: {tmp_path.parent} is not a run directory (it has no config.json): give the --out of "
+                   "the run to continue\n")
 
 
 def test_help_shows_each_settings_docstring(capsys):
@@ -246,12 +250,21 @@ def test_help_shows_each_settings_docstring(capsys):
     assert "K: rollouts per task, the leave-one-out group (paper: 6)." in out
 
 
-def test_help_shows_defaults_and_a_wrong_or_shortened_flag_is_one_line(capsys):
+def test_help_shows_defaults_and_a_wrong_or_shortened_flag_is_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit):
         loop.parse_config(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "appworld, or tiny: an offline miniature of AppWorld. (default: appworld)" in out
+    assert "appworld, tiny (AppWorld in miniature), or your module:Class. (default: appworld)" in out
     assert "(default: Qwen/Qwen2.5-32B-Instruct)" in out and "(paper: 6). (default: 6)" in out
+    # after --tiny and --config, the values that run would use, whichever comes first
+    (tmp_path / "c.json").write_text(json.dumps({"rollouts_per_task": 4}))
+    for argv in (["--tiny", "--help"], ["--help", "--tiny", "--config", str(tmp_path / "c.json")]):
+        with pytest.raises(SystemExit) as stop:
+            loop.parse_config(argv)
+        out = " ".join(capsys.readouterr().out.split())
+        assert stop.value.code == 0 and "(reference code: 200); 0: evaluate only. (default: 15)" in out
+        assert f"(paper: 6). (default: {4 if '--config' in argv else 12})" in out
+        assert f"(default: {os.path.join(HERE, 'assets', 'tiny-model')})" in out
     code, err = _error(capsys, "--iterations", "abc")
     assert code == 2 and "--iterations: invalid int value: 'abc'" in err
     code, err = _error(capsys, "--tiny", "--iteration", "1")  # not taken as --iterations
@@ -364,7 +377,13 @@ def test_bad_flag_and_missing_model_path(tmp_path, capsys):
                        "--out", str(tmp_path / "run"))
     assert code == 2 and f"there is no directory {tmp_path / 'no' / 'such' / 'model'}" in err
     code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
-    assert code == 2 and f"cannot load model {tmp_path}: " in err
+    assert err == (f"error: {tmp_path} holds no model: it has no config.json, no weights (*.safetensors), "
+                   "no tokenizer (tokenizer.json)\n")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
+    assert err == f"error: {tmp_path} holds no model: it has no weights (*.safetensors)\n"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run2").exists()
 
 
 def test_a_run_directory_given_as_the_model_says_where_its_model_is(tmp_path, capsys):
@@ -2526,7 +2545,7 @@ KILLS = {"during the first evaluation": ("concurrently:2", set()),  # its first 
 
 @pytest.mark.parametrize("moment", [*KILLS, "at seeded random moment 1", "at seeded random moment 2",
                                     "at seeded random moment 3"])
-def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbroken, tmp_path, moment):
+def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbroken, tmp_path, capsys, moment):
     rows, events = unbroken
     if moment in KILLS:
         where, left = KILLS[moment]
@@ -2541,8 +2560,14 @@ def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbro
     if (run / "metrics.jsonl").exists():
         with open(run / "metrics.jsonl", "a") as fh:  # as if the kill had come while a row was written
             fh.write('{"iteration": 99, "reward_me')
+    with warnings.catch_warnings():  # main() filters out DCP's one-process note; this test reads first
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        checkpoint, begin = loop.last_checkpoint(run)
     loop.main(["--resume", str(run)])
     assert _logged(run) == rows, where  # every iteration once, with the unbroken run's numbers
+    said = capsys.readouterr().err
+    assert (f"resuming {run} from iteration {begin}" if checkpoint else
+            f"starting {run} again from iteration 0 (no checkpoint yet)") in said
     assert (run / "model" / "model.safetensors").exists() and not (run / "checkpoint.old").exists()
     assert {p.name for p in run.iterdir() if p.is_dir()} == {"checkpoint", "model", "transcripts"}
 
@@ -2717,6 +2742,10 @@ def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_n
         code, _ = _error(capsys, "--tiny", "--model", str(tmp_path / "nothing"))  # a start that fails
     assert [path for path, _ in claims] == ["runs/20261204-184601", "runs/20261204-184601-2", "runs/20261204-184601-3"]
     assert code == 2 and sorted(os.listdir("runs")) == ["20261204-184601", "20261204-184601-2", "20261204-184601-3"]
+    # an evaluation is named after what it evaluates (a run's model/: in that run), a second one too
+    models = [str(run / "model"), str(run / "model"), os.path.join(HERE, "assets", "tiny-model")]
+    evaluations = [loop.claim(loop.parse_config(["--tiny", "--eval", "--model", m]))[0] for m in models]
+    assert evaluations == [str(run / "eval-test"), str(run / "eval-test-2"), "runs/eval-tiny-model-test"]
     (tmp_path / "together").mkdir()
     started = [subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--iterations", "0", "--seed",
                                  str(seed)], cwd=tmp_path / "together", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -2731,9 +2760,11 @@ def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_n
 def test_an_evaluation_only_run_writes_no_model(tmp_path, capsys):
     """--iterations 0 evaluates the model it starts from: writing that model again (64 GB at 32B)
     would add nothing."""
-    loop.main([*quick(), "--iterations", "0", "--out", str(tmp_path / "run")])
+    loop.main([*quick(), "--iterations", "0", "--out", str(tmp_path / "run"), "--tasks-per-iteration", "500"])
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "metrics.jsonl", "transcripts"]
-    assert "no iterations, so no model/" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no iterations, so no model/" in err
+    assert "note: --tasks-per-iteration 500 is more than the 81 tasks of train: each iteration plays all of them" in err
 
 
 def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkeypatch):
@@ -2745,9 +2776,14 @@ def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkey
 
 
 # ---------------- 10. Main: whole runs, a new environment, Ctrl-C, a wave too big, a failing rank
-def test_tiny_smoke_run_writes_metrics(tmp_path):
+def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_printed(tmp_path, capsys):
     out = tmp_path / "run"
     loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
+    said = capsys.readouterr().err
+    assert f"finished: {out} holds metrics.jsonl, transcripts/ and the trained model/. Next:" in said
+    assert f"\n  python tools/plot.py {out}\n" in said
+    assert f"tools/play.py --tiny --model {out / 'model'} --task order00_1" in said
+    suggested = next(line for line in said.splitlines() if "--eval" in line).split()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "reward_mean" in r and "split" not in r]
     evals = [r for r in rows if r.get("split") == "test"]
@@ -2769,12 +2805,13 @@ def test_tiny_smoke_run_writes_metrics(tmp_path):
     text = fence(make_tiny_model.demo(random.Random(0))[1][0])
     assert loop.Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == loop.Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
     assert tok(text)["input_ids"] == shipped(text)["input_ids"]
-    loop.main(["--config", os.path.join(HERE, "tiny_config.json"), "--eval", "--model", str(out / "model"),
-               "--out", str(tmp_path / "ev")])
-    again = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()[0])
+    assert suggested[2:] == ["--tiny", "--eval", "--model", str(out / "model")]
+    loop.main(suggested[2:])  # written beside the run's own files, in RUN/eval-<split>
+    assert f"writing to {out / 'eval-test'}" in capsys.readouterr().err
+    again = json.loads((out / "eval-test" / "metrics.jsonl").read_text().splitlines()[0])
     assert again["split"] == "test" and again["reward_mean"] == pytest.approx(evals[-1]["reward_mean"])
     assert again["per_task"] == evals[-1]["per_task"] and again["iteration"] == 2  # trained for 2
-    assert (tmp_path / "ev" / "transcripts" / "test_iter0002.txt").read_text() == shown
+    assert (out / "eval-test" / "transcripts" / "test_iter0002.txt").read_text() == shown
 
 
 SUM_WORLD = '''
@@ -2805,25 +2842,57 @@ class SumWorld:
 
     def evaluate(self):  # a check for code at all, one for calling the supervisor
         return (bool(self.codes) + any("supervisor" in code for code in self.codes), 2)
-
+'''
+REGISTER_SUM_WORLD = '''
+import loop
+from sum_world import SumWorld
 
 loop.ENVS["sum"] = SumWorld
 loop.main()
 '''
 
 
-def test_a_new_environment_with_only_the_required_members_trains_from_its_own_script(tmp_path):
-    """The README's way: a forker's script registers its world and runs loop's command line."""
-    script = tmp_path / "my_world.py"
-    script.write_text(SUM_WORLD.format(here=HERE))
-    r = subprocess.run([sys.executable, str(script), "--tiny", "--env", "sum", "--iterations", "1",
-                        "--tasks-per-iteration", "4", "--rollouts-per-task", "3", "--max-turns", "2",
-                        "--eval-max-turns", "2", "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=300)
+def test_a_new_environment_with_only_the_required_members_trains_as_module_colon_class(tmp_path):
+    """--env module:Class from the directory the command runs in, with no script of the forker's;
+    and the other way, a script that registers the world and runs loop's command line."""
+    (tmp_path / "sum_world.py").write_text(SUM_WORLD.format(here=HERE))
+    (tmp_path / "my_world.py").write_text(REGISTER_SUM_WORLD)
+    small = ["--tiny", "--tasks-per-iteration", "4", "--rollouts-per-task", "3", "--max-turns", "2",
+             "--eval-max-turns", "2"]
+    r = subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), *small, "--env", "sum_world:SumWorld",
+                        "--iterations", "1", "--out", "run"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     train, final = [r for r in loop.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
     assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
     assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
+    assert "python tools/play.py --env sum_world:SumWorld --model run/model --task sum0_1" in r.stderr
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "play.py"), "--env", "sum_world:SumWorld",
+                        "--model", "run/model", "--task", "sum0_1"], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)  # the tools take the world by the same name, from the same directory
+    assert r.returncode == 0 and "=== sum0_1: " in r.stdout and "reward " in r.stdout, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "my_world.py", *small, "--env", "sum", "--iterations", "0", "--out", "reg"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [row["tasks"] for row in loop.read_metrics(tmp_path / "reg" / "metrics.jsonl")] == [4]
+
+
+@pytest.mark.parametrize("env, message", [
+    ("nosuch_world:World", "--env nosuch_world:World: cannot import nosuch_world: ModuleNotFoundError: No module named 'nosuch_world'"),
+    ("sum_world:Nope", "--env sum_world:Nope: sum_world has no class Nope"),
+    ("half_world:HalfWorld", "--env half_world:HalfWorld: HalfWorld has no step, evaluate (the interface is in tiny_world.py's docstring)"),
+    ("broken_world:World", "--env broken_world:World: cannot import broken_world: NameError: name 'undefined' is not defined"),
+    ("sum", "--env takes tiny, appworld or module:Class (your world), not 'sum'")])
+def test_an_environment_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch, env, message):
+    (tmp_path / "sum_world.py").write_text(SUM_WORLD.format(here=HERE))
+    (tmp_path / "half_world.py").write_text("class HalfWorld:\n    tasks = messages = staticmethod(list)\n")
+    (tmp_path / "broken_world.py").write_text("undefined\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("sum_world", "half_world", "broken_world"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(SystemExit) as stop:
+        loop.parse_config(["--tiny", "--env", env])
+    assert stop.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
 
 
 def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
@@ -3118,6 +3187,56 @@ def test_play_prints_the_episodes_of_the_tasks_named(capsys):
     with pytest.raises(SystemExit) as stop:
         play.main(["--tiny", "--task", "nosuch_1"])
     assert stop.value.code == 2 and "no task 'nosuch_1'" in capsys.readouterr().err
+
+
+WRONG_SOLUTION = """Each family's last turn right, its action wrong: the next item, the other payer.
+
+## order
+```python
+name = apis.api_docs.show(app="shop").split("(")[0].split(".")[-1]
+print(apis.shop.__dict__[name](item=apis.supervisor.wishlist()[1]))
+apis.supervisor.complete_task()
+```
+
+## payback
+```python
+name = apis.api_docs.show(app="bank").split("(")[0].split(".")[-1]
+print(apis.bank.__dict__[name](**apis.supervisor.payments()[1]))
+apis.supervisor.complete_task()
+```
+
+## phone
+```python
+name = apis.api_docs.show(app="contacts").split("(")[0].split(".")[-1]
+apis.supervisor.complete_task(answer=apis.contacts.__dict__[name](name=apis.supervisor.payments()[1]["name"]))
+```
+"""
+
+
+def test_play_checks_a_world_with_a_hand_written_solution(capsys, tmp_path):
+    """The shipped reference solution earns the full reward on every test task of the tiny world; a
+    wrong one earns each family's partial credit and no success; a task without turns is refused."""
+    play.main(["--tiny", "--solution", os.path.join(HERE, "assets", "tiny_solution.md"), "--split", "test"])
+    out = capsys.readouterr().out
+    heads = re.findall(r"^=== (\w+): (\d) of (\d) checks passed$", out, flags=re.M)
+    assert [task for task, _, _ in heads] == tiny_world.TinyWorld.tasks("test")
+    assert all(passed == total for _, passed, total in heads)
+    assert out.count("reward 1.00, success\n") == 27 and out.endswith("27 of 27 tasks earned the full reward\n")
+    assert out.count("--- assistant\n") == 27 * 3  # complete_task ends each episode on its 3rd turn
+    wrong = tmp_path / "wrong.md"
+    wrong.write_text(WRONG_SOLUTION)
+    play.main(["--tiny", "--solution", str(wrong), "--split", "test"])
+    out = capsys.readouterr().out
+    heads = re.findall(r"^=== ([a-z]+)\d\d_\d: (\d) of (\d) checks passed$", out, flags=re.M)
+    # order: one order, of the wrong item, completed; payback: one transfer, to the wrong payer, of
+    # the wrong amount, completed; phone: an extension, the wrong one, completed
+    assert set(heads) == {("order", "2", "3"), ("payback", "2", "4"), ("phone", "2", "3")}
+    assert len(heads) == 27 and ", success\n" not in out and out.endswith("0 of 27 tasks earned the full reward\n")
+    wrong.write_text(WRONG_SOLUTION.split("## payback")[0])
+    for solution, message in ((wrong, "has no turns for task 'payback00_1'"), (tmp_path / "none.md", "cannot read")):
+        with pytest.raises(SystemExit) as stop:
+            play.main(["--tiny", "--solution", str(solution), "--split", "test"])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 def _fake_runs(root):

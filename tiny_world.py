@@ -258,9 +258,9 @@ def start_forkserver():
             os.environ["PYTHONPATH"] = path
 
 class Hosted:
-    """A world of `env` in a worker process, with the interface's methods. Every call has a deadline:
-    a world that dies or does not answer in time is killed and fails its episode (an infrastructure
-    failure: no reward, not even 0). The world starts with its episode's wave (messages()) and its
+    """A world of `env` in a worker process, with the interface's methods. Every call has a
+    deadline: a world that dies or does not answer in time is killed and fails its episode (an
+    infrastructure failure: no reward, not even 0). The world starts with its episode's wave (messages()) and its
     worker waits idle after the evaluation, for a world of the next wave."""
 
     WORLD_TIMEOUT = 300  # seconds a world may take to start or to be evaluated (AppWorld: ~4, ~0.1)
@@ -283,8 +283,8 @@ class Hosted:
         return self.start_worker()
 
     def start_worker(self):
-        """From the forkserver, a clean process (a fork of the trainer would inherit CUDA state, NCCL
-        threads and other threads' locks) that has imported, once for every worker it forks, loop
+        """From the forkserver, a clean process (a fork of the trainer would inherit CUDA state,
+        NCCL threads and other threads' locks) that has imported, once for every worker it forks, loop
         and what it imports (torch: a worker runs the main script again as it starts, as Python
         3.11's forkserver does not preload __main__, and finds them imported), the environment's
         module and what that names (AppWorld: its 12 apps)."""
@@ -302,7 +302,7 @@ class Hosted:
         return worker, conn
 
     def call(self, message, wait):
-        """The answer to `message` within `wait` s, or None: the world died or hung, and is killed."""
+        """The answer to `message` within `wait` s, or None: the world died or hung: killed."""
         try:
             self.conn.send(message)
             if self.conn.poll(wait):
@@ -327,7 +327,7 @@ class Hosted:
         wait = self.timeout + self.MARGIN
         reply = None if self.failed else self.call(("step", code), wait)
         if reply is None:
-            return f"Environment failed: the world did not answer within {wait:g} s and was stopped."
+            return f"Environment failed: the world did not answer within {wait:g} s: stopped."
         output, self.done = reply
         return output
 

@@ -1,14 +1,25 @@
-"""Watch a model play tasks you name: each episode printed as evaluation plays it (greedy).
+"""Watch a model play tasks you name, or check a world with code you wrote, before any training.
 
-    python tools/play.py --tiny --model runs/tiny-seed0/model --task payback01_2 --task phone02_1
-    python tools/play.py --env appworld --model runs/x/model --split test_normal --task 5a0f1c2_1
+    python tools/play.py --tiny --model runs/tiny/model --task payback01_2 --task phone02_1
+    python tools/play.py --tiny --solution assets/tiny_solution.md --split test
+    python tools/play.py --env my_env:MyWorld --solution my_solution.md --task a_1
 
-Every other flag is loop.py's (--eval-max-turns, --max-new-tokens, --eval-temperature, ...). A task
-is one of --split's or --train-split's. Nothing is written but what the world itself keeps
+Each episode is printed as evaluation plays it (greedy), with its reward and the checks it passed;
+then how many tasks earned the full reward. Without --task, every task of --split is played.
+
+--solution FILE plays code you wrote instead of a model (none is loaded): FILE's ```python blocks
+are the turns, in order. A line "## PREFIX" starts the turns of the tasks whose id starts with
+PREFIX (a task, a scenario, a family; the longest PREFIX that matches wins); blocks before any
+such line are played in every other task. Your reference solution should earn the full reward on
+every task, and a wrong one should not: else the world's checks are wrong, not the model.
+
+Every other flag is loop.py's (--env, --split, --eval-max-turns, --code-timeout, ...). A task is
+one of --split's or --train-split's. Nothing is written but what the world itself keeps
 (AppWorld: its outputs under experiments/outputs/loop-play).
 """
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -17,28 +28,80 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loop  # noqa: E402
 
 
+def read_solution(path):
+    """{prefix: [code of each turn]} from FILE; "" holds the blocks before any "## PREFIX" line."""
+    try:
+        text = open(path).read()
+    except OSError as e:
+        loop.die(f"cannot read the solution {path}: {e.strerror}")
+    parts = re.split(r"^## +(\S+) *$", text, flags=re.M)  # [text, prefix, text, prefix, ...]
+    prefixes = [""] + parts[1::2]
+    blocks = [re.findall(r"^```python\n(.*?)^```", part, flags=re.M | re.S) for part in parts[::2]]
+    solution = {prefix: turns for prefix, turns in zip(prefixes, blocks) if turns}
+    if not solution:
+        loop.die(f"{path} holds no ```python block: each block is one turn's code")
+    return solution
+
+
+def turns_for(solution, task_id, path):
+    matches = [prefix for prefix in solution if task_id.startswith(prefix)]
+    if not matches:
+        loop.die(f"{path} has no turns for task {task_id!r}: add a '## {task_id}' section")
+    return solution[max(matches, key=len)]
+
+
+def play_solution(env, turns, cfg):
+    """Each task's turns played through its world, one world at a time, as a rollout plays them."""
+    episodes = []
+    for task_id, codes in turns.items():
+        world = loop.Hosted(env, task_id, cfg.code_timeout, "loop-play")
+        e = loop.Episode(task_id, world, transcript=list(world.messages()))
+        for code in codes[:cfg.eval_max_turns]:
+            if world.done:  # the task was completed, or its world failed
+                break
+            e.transcript.append({"role": "assistant", "content": f"```python\n{code}```"})
+            e.transcript.append({"role": "user", "content": world.step(code)})
+        loop.score_wave([e])
+        episodes.append(e)
+    return episodes
+
+
+def play_model(env, task_ids, cfg):
+    model, tok = loop.load_model_and_tokenizer(cfg)
+    chat = loop.chat_of(model, tok)
+    envs = [loop.Hosted(env, task, cfg.code_timeout, "loop-play") for task in task_ids]
+    with torch.autocast(loop.DEVICE.type, torch.bfloat16, enabled=cfg.bf16):
+        return loop.rollout(model, chat, envs, task_ids, cfg, cfg.eval_temperature,
+                            cfg.eval_max_turns, desc="play")
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", action="append", required=True, help="a task id; repeatable")
+    parser.add_argument("--task", action="append", help="a task id; repeatable (default: --split)")
+    parser.add_argument("--solution", help="a file of code blocks to play instead of a model")
     args, settings = parser.parse_known_args(argv)
     cfg = loop.parse_config(settings)
-    env = loop.ENVS[cfg.env]
+    env = loop.environment(cfg.env)
     try:
-        known = set(env.tasks(cfg.split)) | set(env.tasks(cfg.train_split))
+        known = env.tasks(cfg.split) + env.tasks(cfg.train_split)
     except ValueError as e:
         loop.die(str(e))
-    unknown = [task for task in args.task if task not in known]
+    task_ids = args.task or env.tasks(cfg.split)
+    unknown = [task for task in task_ids if task not in known]
     if unknown:
         loop.die(f"no task {unknown[0]!r} in the {cfg.split} or {cfg.train_split} split")
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    chat = loop.chat_of(model, tok)
-    envs = [env(task, cfg.code_timeout, "loop-play") for task in args.task]
-    with torch.autocast(loop.DEVICE.type, torch.bfloat16, enabled=cfg.bf16):
-        episodes = loop.rollout(model, chat, envs, args.task, cfg, cfg.eval_temperature,
-                                cfg.eval_max_turns, desc="play")
+    if args.solution:
+        solution = read_solution(args.solution)
+        turns = {task: turns_for(solution, task, args.solution) for task in task_ids}
+        episodes = play_solution(env, turns, cfg)
+    else:
+        episodes = play_model(env, task_ids, cfg)
     for e in episodes:
         print(loop.transcript(e), end="")
+        print(f"reward {e.reward:.2f}{', success' if e.success else ''}\n")
+    full = sum(e.success for e in episodes)
+    print(f"{full} of {len(episodes)} tasks earned the full reward")
 
 
 if __name__ == "__main__":
