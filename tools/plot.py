@@ -1,7 +1,7 @@
 """A run's figures, drawn from its metrics.jsonl: the training curves and how behaviour moved.
 
-    python tools/plot.py runs/tiny-seed0                 # -> curves.png, behaviour.png in the run
-    python tools/plot.py runs/tiny-seed0 --out-dir assets  # -> assets/curves.png, behaviour.png
+    python tools/plot.py runs/tiny                  # -> runs/tiny/curves.png, behaviour.png
+    python tools/plot.py runs/tiny --out-dir assets  # redraws the README's figures in assets/
 
 curves.png: one panel per training signal over iterations (training reward, success rate, KL
 estimate, clip fraction, gradient norm) and the held-out TGC and SGC of each evaluation.
