@@ -4,13 +4,17 @@ The agent writes Python that calls app APIs over many turns; the whole episode i
 sequence in which only the tokens the policy sampled are actions (the POMDP of paper §4.1).
 Each iteration samples N tasks x K rollouts, scores them, turns returns into leave-one-out
 advantages (Eq. 3) and takes PPO steps on a per-token clipped objective (Eq. 5): no critic,
-no reference model, one copy of the LLM. Sections 4-7 (ALGO LOGIC) are the algorithm: read them
-first. The others are infrastructure (settings, model, worlds, checkpoints): no need to modify.
+no reference model, one copy of the LLM. After the settings (1), sections 2-6 are the algorithm
+(ALGO LOGIC: read them first); 7-12 are infrastructure (loading, FSDP, the log-prob head, the
+KV-cache pre-flight, checkpoints, the log); 13 is main. The worlds live beside this file:
+tiny_world.py (its docstring is their interface) and appworld_env.py.
 
     python loop.py --tiny                      # a tiny model in a tiny world, minutes on a CPU
     python loop.py --eval --split test --tiny  # TGC/SGC only
 """
 import argparse
+import collections
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -40,7 +44,7 @@ from chat import Chat
 from tiny_world import Hosted, TinyWorld
 
 
-# 1. Settings (infrastructure)
+# 1. Settings: each field of Config is a flag with its help line; the world --env names
 def setting(default, doc):
     """A field with its one-line help kept at run time (--help needs no source file)."""
     return dataclasses.field(default=default, metadata={"doc": doc})
@@ -96,21 +100,35 @@ TINY_CONFIG = os.path.join(HERE, "tiny_config.json")
 AT_LEAST = {"iterations": 0, "rollouts_per_task": 2, "weight_decay": 0, "min_abs_advantage": 0,
             "eval_temperature": 0}  # the other numbers but seed must be > 0
 RATIOS = ["token", "turn", "trajectory", "none"]  # --ratio: LOOP, and the paper's variants
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb<0.19"}  # (later wandb: pydantic 2)
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb<0.19"}  # what to pip install
+RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by start_distributed
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
 
 def die(message):
     """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
+def say(text):
+    if RANK == 0:
+        tqdm.write(text, file=sys.stderr)
+
+def first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+def mean(values):
+    return sum(values) / len(values) if values else 0.0
+
 def flag(name):
     return "--" + name.replace("_", "-")
 
-def settings_parser(shown):
-    """The command line; each setting's help shows its value in `shown` (after --tiny: tiny's)."""
+def settings_parser(shown, where=""):
+    """The command line; each setting's help shows its value in `shown` (after --tiny: tiny's).
+    Its mistakes are one line that names `where` they were read (a config file)."""
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,  # --iteration: no
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      add_help=False)  # --help is read after --tiny and --config
+    parser.error = lambda message: die(f"{message}{where} (see --help)")  # no usage lines
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit "
                         "(after --tiny, --config or --resume: with the values that run uses)")
     parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
@@ -126,9 +144,8 @@ def settings_parser(shown):
 def parse_config(argv):
     """Defaults <- tiny_config.json (--tiny) <- --config FILE (or the resumed run's) <- flags.
     A file's settings are read as the flags they name: one parser checks every layer."""
-    parser = settings_parser({f.name: f.default for f in dataclasses.fields(Config)})
-    where = ""  # the file whose settings are being read
-    parser.error = lambda message: die(f"{message}{where} (see --help)")  # one line, no usage
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    parser = settings_parser(defaults)
     args = parser.parse_args(argv)
     if args.resume and (args.tiny or args.config):
         die("--resume continues with the settings of the run it resumes: change them with flags")
@@ -136,16 +153,16 @@ def parse_config(argv):
         die(f"{args.resume} is not a run directory (it has no config.json): give the --out of "
             "the run to continue")
     files = [TINY_CONFIG] * args.tiny + [args.config] * bool(args.config)
+    if args.resume:
+        files = [os.path.join(args.resume, "config.json")]
     flags = []
-    for path in [os.path.join(args.resume, "config.json")] if args.resume else files:
+    for path in files:
         flags += read_settings(path)
-        where = f" in {path}"
-        saved = parser.parse_args(flags)
-    where = ""
+        saved = settings_parser(defaults, f" in {path}").parse_args(flags)
     if args.help:
         layered = vars(parser.parse_args(flags))
-        settings_parser({f.name: layered[f.name] if layered[f.name] is not None else f.default
-                         for f in dataclasses.fields(Config)}).print_help()
+        shown = {k: v if layered[k] is None else layered[k] for k, v in defaults.items()}
+        settings_parser(shown).print_help()
         sys.exit(0)
     if args.resume:
         check_resume(args, saved)
@@ -208,201 +225,6 @@ def check_config(cfg):
         if f.name not in AT_LEAST and not value > 0:
             die(f"{flag(f.name)} must be {'>= 1' if f.type is int else '> 0'}, got {value}")
 
-
-# 2. The model: FSDP2 shards, bf16, LoRA, activation checkpointing, a chunked log-prob head
-#    (infrastructure)
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by start_distributed
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
-
-def start_distributed():
-    global RANK, WORLD
-    if "RANK" not in os.environ:
-        die("--fsdp runs under torchrun: torchrun --nproc_per_node G loop.py --fsdp ...")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    RANK, WORLD = dist.get_rank(), dist.get_world_size()
-
-def all_reduce(values, op=dist.ReduceOp.SUM):
-    """Sum (or max) a list of numbers over the ranks; unchanged in one process."""
-    if WORLD == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=DEVICE)
-    dist.all_reduce(t, op)
-    return t.tolist()
-
-MODEL_FILES = {"config.json": ["config.json", "adapter_config.json"],  # (a LoRA adapter's)
-               "weights (*.safetensors)": ["*.safetensors", "*.bin"],
-               "tokenizer (tokenizer.json)": ["tokenizer.json", "tokenizer.model", "vocab.json"]}
-
-def load_pretrained(cfg):
-    """A local directory (a run's model/ too) or a Hugging Face id, from the cache, else the hub.
-    A model that cannot load stops the run with one line that says why."""
-    from huggingface_hub import errors, snapshot_download
-    path = os.path.expanduser(cfg.model)
-    if os.path.exists(os.path.join(path, "metrics.jsonl")):  # `--model runs/x`
-        die(f"{cfg.model} is a run directory: its trained model is {os.path.join(path, 'model')}")
-    missing = [what for what, patterns in MODEL_FILES.items()
-               if os.path.isdir(path) and not any(glob.glob(p, root_dir=path) for p in patterns)]
-    if missing:
-        die(f"{cfg.model} holds no model: it has no {', no '.join(missing)}")
-    try:
-        if not os.path.isdir(path):  # by id, from_pretrained would ask the hub about every file
-            try:
-                path = snapshot_download(cfg.model, local_files_only=True)
-            except errors.LocalEntryNotFoundError:  # not in the cache: download it
-                path = snapshot_download(cfg.model)
-        return from_pretrained(path, cfg)
-    except errors.HFValidationError:  # not of the form name or owner/name
-        die(f"there is no directory {cfg.model}: give a model directory or a Hugging Face id")
-    except errors.RepositoryNotFoundError:
-        die(f"model {cfg.model} does not exist, here or on the hub (a private one: hf auth login)")
-    except errors.LocalEntryNotFoundError as e:  # offline, no DNS, a proxy: its text says which
-        die(f"model {cfg.model} is not in the local Hugging Face cache, and the hub cannot be "
-            f"reached ({first_line(e)}): `hf download {cfg.model}` where there is internet")
-    except (OSError, ValueError) as e:  # a directory with no model, a gated or broken download
-        die(f"cannot load model {cfg.model}: {first_line(e)}")
-
-def first_line(error):
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-def from_pretrained(path, cfg):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers import PreTrainedTokenizerFast
-    # AutoTokenizer gives a qwen2 (or phi3) model that family's pre-tokenizer, whatever its
-    # tokenizer.json says: one saved as TokenizersBackend (the tiny model's) loads as itself
-    saved = pathlib.Path(path, "tokenizer_config.json")
-    saved_class = saved.exists() and json.loads(saved.read_text()).get("tokenizer_class")
-    tokenizer = PreTrainedTokenizerFast if saved_class == "TokenizersBackend" else AutoTokenizer
-    tok = tokenizer.from_pretrained(path, padding_side="left")
-    tok.pad_token = tok.pad_token or tok.eos_token
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # on the host: half the memory per rank
-    if cfg.fsdp and RANK > 0:  # rank 0 alone reads the weights, then sends the shards
-        adapter = pathlib.Path(path, "adapter_config.json")  # a LoRA run's model/: no config.json
-        base = path
-        if adapter.exists():
-            base = json.loads(adapter.read_text())["base_model_name_or_path"]
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), dtype=dtype)
-        if adapter.exists():  # rank 0's LoRA layers (their small weights are read again here)
-            model.load_adapter(path)
-        return model, tok
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tok
-
-def load_model_and_tokenizer(cfg):
-    from transformers import GenerationConfig
-    torch.manual_seed(cfg.seed)  # every rank and process initialises the same LoRA adapter
-    model, tok = load_pretrained(cfg)
-    eos = [model.generation_config.eos_token_id]
-    if cfg.fsdp:  # a rank with a meta model read no generation_config.json
-        dist.broadcast_object_list(eos)
-    # only the stop ids: hub defaults (top-k, top-p, penalties) are not what the update scores
-    model.generation_config = GenerationConfig(eos_token_id=eos[0])
-    chunked_logprob_head(model.get_output_embeddings(), cfg.logprob_chunk)
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    layer_names = set(model._no_split_modules)  # the decoder layer class: the unit FSDP shards by
-    if cfg.lora:
-        from peft import LoraConfig, get_peft_model
-        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
-        with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-            model = get_peft_model(model, lora)
-        # the saved adapter names its base so that it loads anywhere: the id, or an absolute path
-        path = os.path.expanduser(cfg.model)
-        base = os.path.abspath(path) if os.path.isdir(path) else cfg.model
-        model.peft_config["default"].base_model_name_or_path = base
-    if cfg.fsdp:
-        shard(model, cfg, layer_names)
-    model = model.to(DEVICE)
-    return (model if cfg.lora else model.float()), tok
-
-def chat_of(model, tok):
-    """The model's Chat, which also stops on generation_config's eos ids; a template that cannot
-    serve stops the run with one line that says why."""
-    try:
-        chat = Chat(tok, model.generation_config.eos_token_id)
-    except ValueError as e:  # no template, or one whose turns never end
-        die(str(e))
-    if chat.fold_system:  # Gemma 2: "System role not supported"
-        say("note: the chat template rejects a system message: its text starts the first user one")
-    return chat
-
-def shard(model, cfg, layer_names):
-    """FSDP2: each rank keeps 1/G of every tensor; a decoder layer is gathered only to compute.
-    Rank 0 sends each rank its shards of the weights it read (the others are on the meta device):
-    the host holds the model once, not once per rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    weights = model.state_dict() if RANK == 0 else {}
-    policy = MixedPrecisionPolicy()
-    if cfg.bf16:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for module in model.modules():
-        if type(module).__name__ in layer_names:
-            fully_shard(module, mp_policy=policy)
-    # the root is the HF model inside peft's wrapper: generate() calls it without the wrapper
-    fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
-    # memory in place: tied weights (embedding and head) stay one tensor, which loading into meta
-    # parameters would split
-    if RANK > 0:
-        model.to_empty(device=DEVICE)
-    else:
-        model.to(DEVICE)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, weights, options=options)
-    for buffer in model.buffers():  # buffers in no state dict (RoPE's inv_freq): rank 0's
-        dist.broadcast(buffer, src=0)
-
-def chunked_logprob_head(head, chunk):
-    """While `head.scoring` is (targets, temperature, softcap), the LM head returns log p(target)
-    per position, `chunk` positions at a time, each recomputed in backward: the [tokens x vocab]
-    logits (19 GB for 32k tokens of Qwen's vocabulary) never exist. FSDP has the head gathered."""
-    head.scoring = None
-    head.chunk = chunk
-    head.forward = types.MethodType(logprob_head_forward, head)  # a bound method survives deepcopy
-
-def logprob_head_forward(self, hidden):
-    if self.scoring is None:
-        return F.linear(hidden, self.weight, self.bias)
-    targets, temperature, softcap = self.scoring
-    hidden = hidden[:, :targets.shape[1]].reshape(targets.numel(), -1)
-    pieces = []
-    for s in range(0, targets.numel(), self.chunk):
-        piece = torch.utils.checkpoint.checkpoint(
-            logprob_piece, hidden[s:s + self.chunk], self.weight, self.bias,
-            targets.reshape(-1)[s:s + self.chunk], temperature, softcap, use_reentrant=False)
-        pieces.append(piece)
-    # a copy, not a view: FSDP warns that an in-place op on its root's view output skips a hook
-    return torch.cat(pieces).view(targets.shape).clone()
-
-def logprob_piece(hidden, weight, bias, targets, temperature, softcap):
-    logits = F.linear(hidden, weight, bias).float()
-    if softcap:  # Gemma 2's cap on the logits that generation samples from
-        logits = softcap * torch.tanh(logits / softcap)
-    logits.div_(temperature)  # in place: one [chunk x vocab] tensor less
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-
-def say(text):
-    if RANK == 0:
-        tqdm.write(text, file=sys.stderr)
-
-def mean(values):
-    return sum(values) / len(values) if values else 0.0
-
-
-# 3. Environments (infrastructure): tiny_world.py's docstring is the interface a new environment
-#    implements (copy that file to start one), appworld_env.py the real AppWorld; each world runs
-#    in a worker process of its own (tiny_world.Hosted)
-def extract_code(text):
-    """All ```python / ```py blocks joined; an unterminated last block counts; no block -> "".
-    A reasoning model's drafts do not run: only the text after its reasoning block counts."""
-    text = text.rsplit("</think>", 1)[-1]  # (the <think> may be in the generation prompt)
-    text = text.split("<think>", 1)[0]  # reasoning cut off by the token limit: no answer yet
-    blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
-    return "\n".join(b.rstrip() for b in blocks)
-
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 REQUIRED = ["tasks", "messages", "step", "evaluate"]  # of an environment class: the interface
 
@@ -430,8 +252,10 @@ def environment(name):
     return env
 
 
-# 4. Rollouts (ALGO LOGIC): the POMDP of paper §4.1. One token sequence per episode; `is_output`
-#    marks the tokens the policy sampled (its actions, stop token included), the rest is context.
+# ============================== ALGO LOGIC: LOOP, read this first ===============================
+# 2. Rollouts: the POMDP of paper §4.1. One token sequence per episode; `is_output` marks the
+#    tokens the policy sampled (its actions, stop token included), the rest is context. The
+#    episodes play in waves of --batch-episodes, each wave with its carried KV cache.
 @dataclasses.dataclass(eq=False)
 class Episode:
     task_id: str
@@ -457,22 +281,27 @@ class Episode:
         self.done = self.done or len(self.ids) >= self.cap
 
 class WaveCache:
-    """A wave's KV cache, carried across its turns: row i (its i-th live episode) holds the first
-    fed[i] ids of the episode, in the columns `mask` marks (0: padding, tokens after a stop)."""
+    """A wave's KV cache, carried across its turns, the one owner of what it holds: row i (its i-th
+    live episode) holds the first fed[i] ids of the episode, in the columns `mask` marks (0:
+    padding, tokens after a stop). A new one holds nothing: everything is fed."""
 
     def __init__(self):
         from transformers import DynamicCache
         self.kv = DynamicCache()
         self.mask = None
         self.fed = []
+        self.episodes = []  # of its rows
 
-    def lay_out(self, rows, lengths):
-        """Lay the cache out for the next turn of the episodes in `rows` (now `lengths` ids long)
-        with no padding between an episode's tokens (a sliding window counts columns): each row
-        keeps its first tokens, padded in front, and is fed as many ids as the widest new segment.
-        Gone: ended episodes, padding, post-stop tokens, columns of others' synced passes."""
-        if self.mask is None:
+    def lay_out(self, live):
+        """Lay the cache out for the next turn of the `live` episodes, with no padding between an
+        episode's tokens (a sliding window counts columns): each row keeps its first tokens,
+        padded in front, and is fed as many ids as the widest new segment. Gone: ended episodes,
+        padding, post-stop tokens, columns of others' synced passes."""
+        rows = [self.episodes.index(e) for e in live] if self.mask is not None else []
+        self.episodes = live
+        if self.mask is None:  # nothing cached yet
             return
+        lengths = [len(e.ids) for e in live]
         index = torch.tensor(rows, device=self.mask.device)
         widest = max(n - self.fed[i] for i, n in zip(rows, lengths))
         self.fed = [max(0, n - widest) for n in lengths]
@@ -485,39 +314,92 @@ class WaveCache:
             layer.keys = layer.keys[index[:, None], :, columns].transpose(1, 2)
             layer.values = layer.values[index[:, None], :, columns].transpose(1, 2)
 
+    def inputs(self, prompts, pad):
+        """What generation is fed: each row's ids past the cached ones, padded in front so that all
+        rows end at the last column, after the cached columns."""
+        new = [p[n:] for p, n in zip(prompts, self.fed or [0] * len(prompts))]
+        width = max(map(len, new))
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in new], device=DEVICE)
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in new], device=DEVICE)
+        if self.mask is None:
+            return ids, attn
+        return torch.cat([torch.full_like(self.mask, pad), ids], 1), torch.cat([self.mask, attn], 1)
+
+    def grew(self, attn, prompts, rows, n):
+        """After generation of `n` columns (`rows`, cut at their stops): the cache holds every
+        column but the last one sampled (and strays lay_out() drops)."""
+        sampled = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows], device=DEVICE)
+        self.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
+        self.fed = [len(p) + min(len(r), n - 1) for p, r in zip(prompts, rows)]
+
 @torch.no_grad()
 def generate(model, chat, prompts, temperature, max_new_tokens, cache=None):
     """Sample one turn for a batch of episodes: each one's ids, cut after the first stop token.
-    With a wave's cache only what it lacks is fed (last token, observation); else all of it."""
+    Only what `cache` lacks is fed: with a wave's cache, the last token and the observation."""
     from transformers import GenerationConfig
-    pad = chat.tok.pad_token_id
-    fed = cache.fed if cache and cache.mask is not None else [0] * len(prompts)
-    new = [p[n:] for p, n in zip(prompts, fed)]
-    width = max(map(len, new))
-    # padding in front of each row's new ids, so that all rows end at the last column
-    ids = torch.tensor([[pad] * (width - len(x)) + x for x in new], device=DEVICE)
-    attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in new], device=DEVICE)
-    if cache and cache.mask is not None:  # generate feeds only the columns past the cached ones
-        attn = torch.cat([cache.mask, attn], 1)
-        ids = torch.cat([torch.full_like(cache.mask, pad), ids], 1)
+    cache = cache or WaveCache()
+    ids, attn = cache.inputs(prompts, chat.tok.pad_token_id)
     sampling = {}  # greedy at T = 0, else the plain softmax at T: what the update scores
     if temperature > 0:
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     config = GenerationConfig(**sampling, max_new_tokens=max_new_tokens,
-                              eos_token_id=chat.stop_ids, pad_token_id=pad)
+                              eos_token_id=chat.stop_ids, pad_token_id=chat.tok.pad_token_id)
     # synced: under FSDP a rank that is done keeps joining the others' forward passes
     out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                         cache=cache.kv if cache else None, synced_gpus=WORLD > 1)
+                         cache=cache.kv, synced_gpus=WORLD > 1)
     rows = []
     for row in out[:, ids.shape[1]:].tolist():
         stops = [i for i, t in enumerate(row) if t in chat.stop_ids]
         rows.append(row[:stops[0] + 1] if stops else row)
-    if cache:  # it holds every column but the last one sampled (and strays lay_out() drops)
-        n = out.shape[1] - ids.shape[1]
-        sampled = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows], device=DEVICE)
-        cache.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
-        cache.fed = [len(p) + min(len(r), n - 1) for p, r in zip(prompts, rows)]
+    cache.grew(attn, prompts, rows, out.shape[1] - ids.shape[1])
     return rows
+
+def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout",
+            carry_cache=True):
+    """The POMDP (§4.1), a wave of batch_episodes at a time, so that one wave's KV cache and
+    worlds exist at a time. Each turn, one batched generation for the wave's live episodes, then
+    their code runs in their worlds; a wave that ended is scored and the next begins. Every rank
+    runs as many generations as the busiest one (FSDP's collectives match), with a dummy if it
+    has no episode left. carry_cache=False re-prefills every turn (a reference for tests)."""
+    model.eval()
+    pairs = list(zip(envs, task_ids))
+    waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
+    episodes, wave = [], []
+    bar = tqdm(desc=desc, leave=False, disable=True if RANK else None)
+    try:
+        with layers_gathered(model, cfg.rollout_full_weights):
+            while True:
+                while waves and all(e.done for e in wave):  # the wave ended: the next begins
+                    score_wave(wave)
+                    wave = start_wave(waves.pop(0), chat, cfg)
+                    episodes += wave
+                    cache, turn = WaveCache(), 0
+                live = [e for e in wave if not e.done]
+                if not all_reduce([len(live)], dist.ReduceOp.MAX)[0]:
+                    break
+                carried = cache if carry_cache and live else WaveCache()
+                play_turn(model, chat, live, carried, temperature, turn, max_turns, cfg)
+                turn += 1
+                bar.update()
+            score_wave(wave)
+    except BaseException:  # Ctrl-C, CUDA out of memory: no world outlives the rollout
+        for env in envs:
+            getattr(env, "close", lambda: None)()
+        raise
+    bar.close()
+    return episodes
+
+def play_turn(model, chat, live, cache, temperature, turn, max_turns, cfg):
+    """One turn of the live episodes: the policy acts, the worlds run its code, observations."""
+    cache.lay_out(live)
+    # no episode can take more than its room below the cap (add() cuts the others)
+    room = max((cfg.max_context - len(e.ids) for e in live), default=1)
+    prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
+    outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room), cache)
+    codes = [act(e, new, turn, chat) for e, new in zip(live, outputs)]
+    results = concurrently([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
+    for e, output in zip(live, results):
+        observe(e, output, turn == max_turns - 1, chat, cfg)
 
 def start_wave(pairs, chat, cfg):
     """A wave's worlds start together (their messages()); an episode opens with the prompt."""
@@ -537,60 +419,6 @@ def score_wave(wave):
         e.reward = passed / total
         e.success = passed == total
 
-def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout",
-            carry_cache=True):
-    """The POMDP (§4.1), a wave of batch_episodes at a time, so that one wave's KV cache and
-    worlds exist at a time. Each turn, one batched generation for the wave's live episodes, then
-    their code runs in their worlds; a wave that ended is scored and the next begins. Every rank
-    runs as many generations as the busiest one (FSDP's collectives match), with a dummy if it
-    has no episode left. carry_cache=False re-prefills every turn (a reference for tests)."""
-    from torch.distributed.fsdp import FSDPModule
-    model.eval()
-    pairs = list(zip(envs, task_ids))
-    waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
-    episodes, wave, rows, cache, turn = [], [], [], None, 0
-    bar = tqdm(desc=desc, leave=False, disable=True if RANK else None)
-    layers = []  # the FSDP modules but the root, which FSDP keeps gathered after its forward
-    if cfg.rollout_full_weights:
-        layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
-    for layer in layers:  # gathered by its first forward, kept until the rollout ends
-        layer.set_reshard_after_forward(False, recurse=False)
-    try:
-        while True:
-            while waves and all(e.done for e in wave):  # the wave ended: score it, start the next
-                score_wave(wave)
-                wave = rows = start_wave(waves.pop(0), chat, cfg)
-                episodes += wave
-                cache, turn = (WaveCache() if carry_cache else None), 0
-            live = [e for e in wave if not e.done]
-            if not all_reduce([len(live)], dist.ReduceOp.MAX)[0]:
-                break
-            if live and cache:
-                still_live = [i for i, e in enumerate(rows) if not e.done]
-                cache.lay_out(still_live, [len(e.ids) for e in live])
-            rows = live
-            # no episode can take more than its room below the cap (add() cuts the others)
-            room = max((cfg.max_context - len(e.ids) for e in live), default=1)
-            prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
-            outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room),
-                               cache if live else None)
-            codes = [act(e, new, turn, chat) for e, new in zip(live, outputs)]
-            results = concurrently([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
-            for e, output in zip(live, results):
-                observe(e, output, turn == max_turns - 1, chat, cfg)
-            turn += 1
-            bar.update()
-        score_wave(wave)
-    except BaseException:  # Ctrl-C, CUDA out of memory: no world outlives the rollout
-        for env in envs:
-            getattr(env, "close", lambda: None)()
-        raise
-    bar.close()
-    for layer in layers:  # sharded again for the update (reshard() is not recursive)
-        layer.reshard()
-        layer.set_reshard_after_forward(True, recurse=False)
-    return episodes
-
 def act(e, new, turn, chat):
     """The sampled turn joins the episode as actions; returns the code in what joined."""
     start = len(e.ids)
@@ -599,6 +427,23 @@ def act(e, new, turn, chat):
     text = chat.reply_start + chat.tok.decode(e.ids[start:], skip_special_tokens=True)
     e.transcript.append({"role": "assistant", "content": text})
     return extract_code(text)
+
+def extract_code(text):
+    """All ```python / ```py blocks joined; an unterminated last block counts; no block -> "".
+    A reasoning model's drafts do not run: only the text after its reasoning block counts."""
+    text = text.rsplit("</think>", 1)[-1]  # (the <think> may be in the generation prompt)
+    text = text.split("<think>", 1)[0]  # reasoning cut off by the token limit: no answer yet
+    blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
+    return "\n".join(b.rstrip() for b in blocks)
+
+def observe(e, output, last_turn, chat, cfg):
+    """The environment's output joins the episode as context, between the template's separators."""
+    observation = chat.truncate(output, cfg.max_obs_tokens)
+    e.transcript.append({"role": "user", "content": observation})
+    e.done = e.done or getattr(e.env, "done", False) or last_turn
+    if not e.done:
+        closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
+        e.add(closing + chat.observation(observation))
 
 def concurrently(calls):
     """The calls run at once, each with its own deadline, so a hung world holds up no other; their
@@ -620,17 +465,8 @@ def concurrently(calls):
         raise errors[0]
     return results
 
-def observe(e, output, last_turn, chat, cfg):
-    """The environment's output joins the episode as context, between the template's separators."""
-    observation = chat.truncate(output, cfg.max_obs_tokens)
-    e.transcript.append({"role": "user", "content": observation})
-    e.done = e.done or getattr(e.env, "done", False) or last_turn
-    if not e.done:
-        closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
-        e.add(closing + chat.observation(observation))
 
-
-# 5. Leave-one-out advantages (ALGO LOGIC, Eq. 3)
+# 3. Leave-one-out advantages (Eq. 3)
 def loo_advantages(rewards, normalize=False, valid=None):
     """rewards [N, K] -> A_k = R_k - mean_{i!=k} R_i = K/(K-1) (R_k - mean R), no std division.
     `valid` [N, K] marks the rollouts whose world did not fail: a failed one leaves its group,
@@ -646,7 +482,7 @@ def loo_advantages(rewards, normalize=False, valid=None):
     return torch.where(valid & (k >= 2), adv, math.nan)
 
 
-# 6. The clipped objective (ALGO LOGIC, Eq. 5) and its per-turn, per-trajectory, on-policy variants
+# 4. The clipped objective (Eq. 5) and its per-turn, per-trajectory, on-policy variants
 LOG_RATIO_BOUND = 40.0  # |log r| past this: no gradient (exp(40) x 3k tokens stays finite)
 
 def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
@@ -666,10 +502,9 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
         log_r = torch.einsum("bj,btj->bt", per_turn, onehot)
     elif ratio == "trajectory":  # one ratio per rollout: prod_t r_t
         log_r = log_r.sum(1, keepdim=True).expand_as(mask)
-    # log r bounded before exp for every sign of A (exp is inf past 88 in float32: an inf loss for
-    # A < 0, NaN for A = 0 and in backward): where A > 0 the clip decides above 1 + eps anyway
-    high = torch.where(a > 0, math.log(1 + eps), LOG_RATIO_BOUND)
-    bounded = torch.where(log_r > high, high, log_r.clamp(min=-LOG_RATIO_BOUND))
+    # log r bounded before exp (exp is inf past 88 in float32: an inf loss for A < 0, NaN for
+    # A = 0 and in backward); within the bound the clip below decides, as in Eq. 5
+    bounded = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     r = torch.exp(bounded)
     clipped = torch.clamp(r, 1 / (1 + eps), 1 + eps)
     objective = torch.minimum(r * a, clipped * a)  # Eq. 5
@@ -677,76 +512,7 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
     return -(objective * mask).sum(1) / n, n_clipped
 
 
-# 7. The training step (ALGO LOGIC)
-NO_OUTPUT = Episode("", None, [0, 0], [False, False], [-1, -1])  # an empty pass: zero loss
-
-def pad_batch(episodes):
-    """ids, attention mask, is_output and turn of the episodes, right-padded to one width."""
-    width = max(len(e.ids) for e in episodes)
-
-    def pad(rows, value):
-        return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=DEVICE)
-
-    return (pad([e.ids for e in episodes], 0), pad([[1] * len(e.ids) for e in episodes], 0),
-            pad([e.is_output for e in episodes], False), pad([e.turn for e in episodes], -1))
-
-def token_logprobs(model, ids, attn, temperature):
-    """log p(x_t | x_<t) of each next token [B, T-1] at the sampling temperature, in chunks."""
-    head = model.get_output_embeddings()
-    # forward would cap what the head returns, log p: the head caps the logits instead
-    config = model.config.get_text_config()
-    softcap = getattr(config, "final_logit_softcapping", None)
-    if softcap:
-        config.final_logit_softcapping = None
-    head.scoring = (ids[:, 1:], max(temperature, 1e-6), softcap)
-    try:
-        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    finally:
-        head.scoring = None
-        if softcap:
-            config.final_logit_softcapping = softcap
-
-def micro_batches(indices, sizes, size):
-    """This rank's `indices` in slices of `size`, as many as the rank with the most (`sizes`: the
-    count of every rank) needs, so that all ranks run the same passes; the last may be empty."""
-    n = max(math.ceil(k / size) for k in sizes)
-    return [indices[j * size:(j + 1) * size] for j in range(n)]
-
-@torch.no_grad()
-def old_logprobs(model, episodes, used, counts, cfg):
-    """log p_psi of each used rollout's tokens, from the model about to be updated, right before
-    the update, at the sampling temperature (reference code: recompute_rollout_probs)."""
-    model.eval()
-    old = {}
-    for chunk in micro_batches(used, counts, cfg.micro_batch_size):
-        ids, attn, _, _ = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT])
-        for i, logp in zip(chunk, token_logprobs(model, ids, attn, cfg.temperature)):
-            old[i] = logp[:len(episodes[i].ids) - 1]
-    return old
-
-def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
-    """Accumulate one minibatch's gradient over its micro-batches; returns the sums over ranks
-    of [loss, KL estimate, clipped tokens, output tokens]."""
-    totals = [0.0, 0.0, 0, 0]
-    for chunk in chunks:
-        ids, attn, is_output, turn = pad_batch([episodes[i] for i in chunk] or [NO_OUTPUT])
-        logp = token_logprobs(model, ids, attn, cfg.temperature)
-        if chunk:
-            old_logp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True)
-            adv = advantages[chunk].to(DEVICE)
-        else:  # an empty pass that only joins the other ranks' collectives
-            old_logp = logp.detach()
-            adv = torch.zeros(1, device=DEVICE)
-        mask = is_output[:, 1:] & attn[:, 1:].bool()  # targets x_1.. that the policy sampled
-        per_rollout, n_clipped = loop_loss(logp, old_logp, adv, mask, turn[:, 1:], cfg.ratio,
-                                           cfg.clip_eps)
-        # sum over rollouts / minibatch size; x world because FSDP averages gradients over ranks
-        (per_rollout.sum() * WORLD / cfg.minibatch_size).backward()
-        kl = -((logp - old_logp) * mask).sum()
-        step = [per_rollout.sum().item(), kl.item(), n_clipped.item(), mask.sum().item()]
-        totals = [a + b for a, b in zip(totals, step)]
-    return all_reduce(totals)
-
+# 5. The update: PPO epochs of minibatches on an iteration's rollouts; one LOOP iteration
 def update(model, opt, episodes, advantages, cfg):
     """PPO epochs over the iteration's rollouts. Under FSDP a minibatch spans the ranks (each takes
     its share of its own rollouts), each running as many passes (empty ones) as the busiest."""
@@ -761,18 +527,15 @@ def update(model, opt, episodes, advantages, cfg):
     old = old_logprobs(model, episodes, used, counts, cfg)
     model.train()
     params = [p for group in opt.param_groups for p in group["params"]]  # FSDP's sharded ones
-    share = math.ceil(cfg.minibatch_size / WORLD)  # this rank's part of a minibatch
     kls, losses, norms = [], [], []
     clipped = outputs = 0
     for _ in range(cfg.epochs):
         order = random.sample(used, len(used))
-        for j in range(max(math.ceil(n / share) for n in counts)):
-            sizes = [min(share, max(0, n - j * share)) for n in counts]  # each rank's part
-            chunks = micro_batches(order[j * share:(j + 1) * share], sizes, cfg.micro_batch_size)
+        for chunks, size in minibatches(order, counts, cfg):
             opt.zero_grad(set_to_none=True)
             loss_sum, kl_sum, n_clipped, n_outputs = minibatch_backward(
                 model, episodes, chunks, old, advantages, cfg)
-            kls.append(kl_sum / sum(sizes))
+            kls.append(kl_sum / size)
             if abs(kls[-1]) > cfg.max_kl:  # the policy moved too far: stop using these rollouts
                 opt.zero_grad(set_to_none=True)
                 stats["abandoned"] = True
@@ -797,8 +560,127 @@ def update(model, opt, episodes, advantages, cfg):
                  grad_norm=mean(norms))
     return stats
 
+def minibatches(order, counts, cfg):
+    """Each minibatch as this rank's micro-batches and the minibatch's size on all ranks. Under
+    FSDP a minibatch spans the ranks, each taking its share from its own rollouts (`counts`: every
+    rank's), and every rank runs as many minibatches and passes as the busiest (empty ones)."""
+    share = math.ceil(cfg.minibatch_size / WORLD)
+    for j in range(max(math.ceil(n / share) for n in counts)):
+        sizes = [min(share, max(0, n - j * share)) for n in counts]
+        mine = order[j * share:(j + 1) * share]
+        yield micro_batches(mine, sizes, cfg.micro_batch_size), sum(sizes)
 
-# 8. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
+def micro_batches(indices, sizes, size):
+    """This rank's `indices` in slices of `size`, as many as the rank with the most (`sizes`: the
+    count of every rank) needs, so that all ranks run the same passes; the last may be empty."""
+    n = max(math.ceil(k / size) for k in sizes)
+    return [indices[j * size:(j + 1) * size] for j in range(n)]
+
+@torch.no_grad()
+def old_logprobs(model, episodes, used, counts, cfg):
+    """log p_psi of each used rollout's tokens, from the model about to be updated, right before
+    the update, at the sampling temperature (reference code: recompute_rollout_probs)."""
+    model.eval()
+    old = {}
+    for chunk in micro_batches(used, counts, cfg.micro_batch_size):
+        ids, attn, _, _ = pad_batch([episodes[i] for i in chunk])
+        for i, logp in zip(chunk, token_logprobs(model, ids, attn, cfg.temperature)):
+            old[i] = logp[:len(episodes[i].ids) - 1]
+    return old
+
+def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
+    """Accumulate one minibatch's gradient over its micro-batches; returns the sums over ranks
+    of [loss, KL estimate, clipped tokens, output tokens]."""
+    totals = [0.0, 0.0, 0, 0]
+    for chunk in chunks:
+        ids, attn, is_output, turn = pad_batch([episodes[i] for i in chunk])
+        logp = token_logprobs(model, ids, attn, cfg.temperature)
+        old_logp, adv = logp.detach(), torch.zeros(1, device=DEVICE)  # an empty pass's: no action
+        if chunk:
+            old_logp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True)
+            adv = advantages[chunk].to(DEVICE)
+        mask = is_output[:, 1:] & attn[:, 1:].bool()  # targets x_1.. that the policy sampled
+        per_rollout, n_clipped = loop_loss(logp, old_logp, adv, mask, turn[:, 1:], cfg.ratio,
+                                           cfg.clip_eps)
+        # sum over rollouts / minibatch size; x world because FSDP averages gradients over ranks
+        (per_rollout.sum() * WORLD / cfg.minibatch_size).backward()
+        kl = -((logp - old_logp) * mask).sum()
+        step = [per_rollout.sum().item(), kl.item(), n_clipped.item(), mask.sum().item()]
+        totals = [a + b for a, b in zip(totals, step)]
+    return all_reduce(totals)
+
+NO_OUTPUT = Episode("", None, ids=[0, 0], is_output=[False, False], turn=[-1, -1])
+
+def pad_batch(episodes):
+    """ids, attention mask, is_output and turn of the episodes, right-padded to one width. None (a
+    rank's empty pass, joining the others' collectives under FSDP) is a row with no action."""
+    episodes = episodes or [NO_OUTPUT]
+    width = max(len(e.ids) for e in episodes)
+
+    def pad(rows, value):
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=DEVICE)
+
+    return (pad([e.ids for e in episodes], 0), pad([[1] * len(e.ids) for e in episodes], 0),
+            pad([e.is_output for e in episodes], False), pad([e.turn for e in episodes], -1))
+
+def token_logprobs(model, ids, attn, temperature):
+    """log p(x_t | x_<t) of each next token [B, T-1] at the sampling temperature. The model's LM
+    head is section 9's log-prob head (chunked_logprob_head): while head.scoring is set,
+    `.logits` holds log p(target) per position, computed in chunks: no [tokens x vocab] tensor."""
+    head = model.get_output_embeddings()
+    # forward would cap what the head returns, log p: the head caps the logits instead
+    config = model.config.get_text_config()
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        config.final_logit_softcapping = None
+    head.scoring = (ids[:, 1:], max(temperature, 1e-6), softcap)
+    try:
+        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    finally:
+        head.scoring = None
+        if softcap:
+            config.final_logit_softcapping = softcap
+
+def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
+    """N tasks x K rollouts -> leave-one-out advantages -> PPO epochs; returns the metrics row."""
+    started = time.time()
+    # seeded per iteration: a resumed run samples what the unbroken run would have
+    seed = cfg.seed * 10**6 + iteration * 1000
+    random.seed(seed + RANK)
+    torch.manual_seed(seed + RANK)
+    n_tasks = min(cfg.tasks_per_iteration, len(train_tasks))
+    tasks = random.Random(seed).sample(train_tasks, n_tasks)[RANK::WORLD]
+    k = cfg.rollouts_per_task
+    task_ids = [task for task in tasks for _ in range(k)]  # a task's K rollouts share a rank
+    env = environment(cfg.env)
+    # the K worlds of a task save their outputs apart
+    envs = [Hosted(env, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
+            for i, task in enumerate(task_ids)]
+    episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
+    rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
+    valid = torch.tensor([not e.failed for e in episodes]).view(len(tasks), k)
+    advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
+    stats = update(model, opt, episodes, advantages, cfg)
+    sums = collections.Counter(reward=(rewards * valid).sum().item())  # this rank's, then all
+    for e in episodes:
+        looked, erred, recovered = habits(e, env)
+        sums.update(episodes=1, failures=e.failed, success=e.success, turns=1 + max(e.turn),
+                    tokens=len(e.ids), looked=looked, erred=erred, recovered=recovered)
+    keys = ["episodes", "failures", "reward", "success", "turns", "tokens", "looked", "erred",
+            "recovered"]
+    t = dict(zip(keys, all_reduce([sums[key] for key in keys])))
+    n, scored = t["episodes"], max(t["episodes"] - t["failures"], 1)  # scored: worlds held up
+    # behaviour shares where the environment says what they count
+    shares = {"looked_first": t["looked"] / n} if hasattr(env, "DOCS_CALL") else {}
+    if hasattr(env, "ERROR_PREFIX"):
+        shares.update(error_rate=t["erred"] / n, recovered=t["recovered"] / max(t["erred"], 1))
+    return {"iteration": iteration, "reward_mean": t["reward"] / scored,
+            "success_rate": t["success"] / scored, "turns_mean": t["turns"] / n,
+            "tokens_mean": t["tokens"] / n, "env_failures": int(t["failures"]), **shares, **stats,
+            "seconds": round(time.time() - started, 2)}
+
+
+# 6. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
 def scenario(task_id):
     """A task's scenario: its id up to "_" (the environment interface's "<scenario>_<n>")."""
     return task_id.split("_")[0]
@@ -863,9 +745,219 @@ def habits(e, env):
     return looked, erred, erred and e.success
 
 
-# 9. Checkpoints and the log (infrastructure): trainable weights (the adapter with LoRA) and
-#    optimizer state by name through torch.distributed.checkpoint, one shard per rank, loadable
-#    by any number of ranks; the metrics rows in metrics.jsonl
+# ================ INFRASTRUCTURE: models, GPUs, files; no need to read it for LOOP ================
+# 7. Loading: a local directory or a hub id, bf16, LoRA
+MODEL_FILES = {"config.json": ["config.json", "adapter_config.json"],  # (a LoRA adapter's)
+               "weights (*.safetensors)": ["*.safetensors", "*.bin"],
+               "tokenizer (tokenizer.json)": ["tokenizer.json", "tokenizer.model", "vocab.json"]}
+
+def load_pretrained(cfg):
+    """A local directory (a run's model/ too) or a Hugging Face id, from the cache, else the hub.
+    A model that cannot load stops the run with one line that says why."""
+    from huggingface_hub import errors, snapshot_download
+    path = os.path.expanduser(cfg.model)
+    if os.path.exists(os.path.join(path, "metrics.jsonl")):  # `--model runs/x`
+        die(f"{cfg.model} is a run directory: its trained model is {os.path.join(path, 'model')}")
+    missing = [what for what, patterns in MODEL_FILES.items()
+               if os.path.isdir(path) and not any(glob.glob(p, root_dir=path) for p in patterns)]
+    if missing:
+        die(f"{cfg.model} holds no model: it has no {', no '.join(missing)}")
+    try:
+        if not os.path.isdir(path):  # by id, from_pretrained would ask the hub about every file
+            try:
+                path = snapshot_download(cfg.model, local_files_only=True)
+            except errors.LocalEntryNotFoundError:  # not in the cache: download it
+                path = snapshot_download(cfg.model)
+        return from_pretrained(path, cfg)
+    except errors.HFValidationError:  # not of the form name or owner/name
+        die(f"there is no directory {cfg.model}: give a model directory or a Hugging Face id")
+    except errors.RepositoryNotFoundError:
+        die(f"model {cfg.model} does not exist, here or on the hub (a private one: hf auth login)")
+    except errors.LocalEntryNotFoundError as e:  # offline, no DNS, a proxy: its text says which
+        die(f"model {cfg.model} is not in the local Hugging Face cache, and the hub cannot be "
+            f"reached ({first_line(e)}): `hf download {cfg.model}` where there is internet")
+    except (OSError, ValueError) as e:  # a directory with no model, a gated or broken download
+        die(f"cannot load model {cfg.model}: {first_line(e)}")
+
+def from_pretrained(path, cfg):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
+    # AutoTokenizer gives a qwen2 (or phi3) model that family's pre-tokenizer, whatever its
+    # tokenizer.json says: one saved as TokenizersBackend (the tiny model's) loads as itself
+    saved = pathlib.Path(path, "tokenizer_config.json")
+    saved_class = saved.exists() and json.loads(saved.read_text()).get("tokenizer_class")
+    tokenizer = PreTrainedTokenizerFast if saved_class == "TokenizersBackend" else AutoTokenizer
+    tok = tokenizer.from_pretrained(path, padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # on the host: half the memory per rank
+    if cfg.fsdp and RANK > 0:  # rank 0 alone reads the weights, then sends the shards
+        adapter = pathlib.Path(path, "adapter_config.json")  # a LoRA run's model/: no config.json
+        base = path
+        if adapter.exists():
+            base = json.loads(adapter.read_text())["base_model_name_or_path"]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), dtype=dtype)
+        if adapter.exists():  # rank 0's LoRA layers (their small weights are read again here)
+            model.load_adapter(path)
+        return model, tok
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tok
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+def load_model_and_tokenizer(cfg):
+    from transformers import GenerationConfig
+    torch.manual_seed(cfg.seed)  # every rank and process initialises the same LoRA adapter
+    model, tok = load_pretrained(cfg)
+    eos = [model.generation_config.eos_token_id]
+    if cfg.fsdp:  # a rank with a meta model read no generation_config.json
+        dist.broadcast_object_list(eos)
+    # only the stop ids: hub defaults (top-k, top-p, penalties) are not what the update scores
+    model.generation_config = GenerationConfig(eos_token_id=eos[0])
+    chunked_logprob_head(model.get_output_embeddings(), cfg.logprob_chunk)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer_names = set(model._no_split_modules)  # the decoder layer class: the unit FSDP shards by
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+            model = get_peft_model(model, lora)
+        # the saved adapter names its base so that it loads anywhere: the id, or an absolute path
+        path = os.path.expanduser(cfg.model)
+        base = os.path.abspath(path) if os.path.isdir(path) else cfg.model
+        model.peft_config["default"].base_model_name_or_path = base
+    if cfg.fsdp:
+        shard(model, cfg, layer_names)
+    model = model.to(DEVICE)
+    return (model if cfg.lora else model.float()), tok
+
+def chat_of(model, tok):
+    """The model's Chat, which also stops on generation_config's eos ids; a template that cannot
+    serve stops the run with one line that says why."""
+    try:
+        chat = Chat(tok, model.generation_config.eos_token_id)
+    except ValueError as e:  # no template, or one whose turns never end
+        die(str(e))
+    if chat.fold_system:  # Gemma 2: "System role not supported"
+        say("note: the chat template rejects a system message: its text starts the first user one")
+    return chat
+
+
+# 8. FSDP2: every rank holds 1/G of each tensor, and runs the same collectives
+def start_distributed():
+    global RANK, WORLD
+    if "RANK" not in os.environ:
+        die("--fsdp runs under torchrun: torchrun --nproc_per_node G loop.py --fsdp ...")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+
+def all_reduce(values, op=dist.ReduceOp.SUM):
+    """Sum (or max) a list of numbers over the ranks; unchanged in one process."""
+    if WORLD == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(t, op)
+    return t.tolist()
+
+def shard(model, cfg, layer_names):
+    """FSDP2: each rank keeps 1/G of every tensor; a decoder layer is gathered only to compute.
+    Rank 0 sends each rank its shards of the weights it read (the others are on the meta device):
+    the host holds the model once, not once per rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    weights = model.state_dict() if RANK == 0 else {}
+    policy = MixedPrecisionPolicy()
+    if cfg.bf16:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in model.modules():
+        if type(module).__name__ in layer_names:
+            fully_shard(module, mp_policy=policy)
+    # the root is the HF model inside peft's wrapper: generate() calls it without the wrapper
+    fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
+    # memory in place: tied weights (embedding and head) stay one tensor, which loading into meta
+    # parameters would split
+    if RANK > 0:
+        model.to_empty(device=DEVICE)
+    else:
+        model.to(DEVICE)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, weights, options=options)
+    for buffer in model.buffers():  # buffers in no state dict (RoPE's inv_freq): rank 0's
+        dist.broadcast(buffer, src=0)
+
+@contextlib.contextmanager
+def layers_gathered(model, gathered):
+    """--rollout-full-weights: FSDP's layers stay gathered from their first forward to the end of
+    the rollout (no all-gather per sampled token, more memory), then are sharded for the update."""
+    from torch.distributed.fsdp import FSDPModule
+    layers = []  # the FSDP modules but the root, which FSDP keeps gathered after its forward
+    if gathered:
+        layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
+    for layer in layers:
+        layer.set_reshard_after_forward(False, recurse=False)
+    yield
+    for layer in layers:  # (reshard() is not recursive)
+        layer.reshard()
+        layer.set_reshard_after_forward(True, recurse=False)
+
+
+# 9. The log-prob head that token_logprobs (section 5) turns on: log p(target) without the logits
+def chunked_logprob_head(head, chunk):
+    """While `head.scoring` is (targets, temperature, softcap), the LM head returns log p(target)
+    per position, `chunk` positions at a time, each recomputed in backward: the [tokens x vocab]
+    logits (19 GB for 32k tokens of Qwen's vocabulary) never exist. FSDP has the head gathered."""
+    head.scoring = None
+    head.chunk = chunk
+    head.forward = types.MethodType(logprob_head_forward, head)  # a bound method survives deepcopy
+
+def logprob_head_forward(self, hidden):
+    if self.scoring is None:
+        return F.linear(hidden, self.weight, self.bias)
+    targets, temperature, softcap = self.scoring
+    hidden = hidden[:, :targets.shape[1]].reshape(targets.numel(), -1)
+    pieces = []
+    for s in range(0, targets.numel(), self.chunk):
+        piece = torch.utils.checkpoint.checkpoint(
+            logprob_piece, hidden[s:s + self.chunk], self.weight, self.bias,
+            targets.reshape(-1)[s:s + self.chunk], temperature, softcap, use_reentrant=False)
+        pieces.append(piece)
+    # a copy, not a view: FSDP warns that an in-place op on its root's view output skips a hook
+    return torch.cat(pieces).view(targets.shape).clone()
+
+def logprob_piece(hidden, weight, bias, targets, temperature, softcap):
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:  # Gemma 2's cap on the logits that generation samples from
+        logits = softcap * torch.tanh(logits / softcap)
+    logits.div_(temperature)  # in place: one [chunk x vocab] tensor less
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+# 10. The KV-cache pre-flight: a wave that cannot fit the GPU stops the run before it starts
+def check_kv_cache(cfg, model, wave):
+    """Stop before the first rollout if a wave's KV cache, every episode at the context cap, would
+    not fit in the GPU's free memory: a line that says what to set, not an out-of-memory error."""
+    text = model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dtype_bytes = 2 if cfg.bf16 else 4
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes  # K and V
+    free = torch.cuda.mem_get_info()[0]
+    if cfg.rollout_full_weights:  # every layer stays gathered while sampling
+        free -= sum(p.numel() for p in model.parameters()) * dtype_bytes
+    fit = max(free, 0) // (per_token * cfg.max_context)
+    if wave > fit:
+        need = wave * per_token * cfg.max_context / 2**30
+        context = max(free, 0) // (per_token * wave)  # the cap at which the whole wave fits
+        room = f"--batch-episodes {fit}" if fit else f"--max-context {context}"
+        die(f"a wave of {wave} episodes of up to {cfg.max_context} tokens needs {need:.1f} GiB of "
+            f"KV cache per GPU and {free / 2**30:.1f} GiB are free: set {room} or lower")
+
+
+# 11. Checkpoints: trainable weights (the adapter with LoRA) and optimizer state by name through
+#     torch.distributed.checkpoint, one shard per rank, loadable by any number of ranks
 def train_state(model, opt, optimizer):
     """Trainable weights by name, and the optimizer's state tensors by name if asked for."""
     import torch.distributed.checkpoint.state_dict as sd
@@ -884,11 +976,16 @@ def save_checkpoint(run_dir, model, opt, iteration):
     state = train_state(model, opt, optimizer=bool(opt.state))
     dcp.save(state | {"iteration": iteration}, checkpoint_id=path + ".tmp")  # all ranks
     if RANK == 0:  # (the next save's collectives keep the other ranks from writing before this)
-        if os.path.isdir(path):
-            shutil.rmtree(path + ".old", ignore_errors=True)  # what a kill may have left
-            os.replace(path, path + ".old")  # between the two renames, .old is the complete one
-        os.replace(path + ".tmp", path)
-        shutil.rmtree(path + ".old", ignore_errors=True)
+        put_in_place(path)
+
+def put_in_place(path):
+    """The folder path.tmp, written whole, becomes path. Between the two renames the one before is
+    path.old: a kill at any moment leaves a complete folder under one of the three names."""
+    if os.path.isdir(path):
+        shutil.rmtree(path + ".old", ignore_errors=True)  # what a kill may have left
+        os.replace(path, path + ".old")
+    os.replace(path + ".tmp", path)
+    shutil.rmtree(path + ".old", ignore_errors=True)
 
 def last_checkpoint(run_dir):
     """The newest complete checkpoint of a run and its iteration; (None, 0) if it has none."""
@@ -936,11 +1033,7 @@ def save_model(run_dir, model, tok, iteration):
         tok.save_pretrained(path + ".tmp")
         trained = json.dumps({"run": os.path.abspath(run_dir), "iteration": iteration})
         pathlib.Path(path + ".tmp", "trained.json").write_text(trained)
-        if os.path.isdir(path):  # the model of a finish before this resume
-            shutil.rmtree(path + ".old", ignore_errors=True)
-            os.replace(path, path + ".old")
-        os.replace(path + ".tmp", path)
-        shutil.rmtree(path + ".old", ignore_errors=True)
+        put_in_place(path)  # (a model/ there is of a finish before this resume)
 
 def trained_to(model_dir):
     """The iterations a run's model/ was trained for; None for any other directory."""
@@ -952,6 +1045,8 @@ def write_atomically(path, text):
     pathlib.Path(path + ".tmp").write_text(text)
     os.replace(path + ".tmp", path)
 
+
+# 12. The log: metrics.jsonl, the console, TensorBoard and wandb
 def read_metrics(path):
     """The rows of a metrics.jsonl; a line cut short by a kill while it was written is dropped."""
     rows = []
@@ -1017,61 +1112,7 @@ def summary(row):
             f"{row['clip_fraction']:.3f}{failed}, {row['seconds']:.0f} s")
 
 
-# 10. Main: iterations of rollouts -> advantages -> update
-def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
-    """N tasks x K rollouts -> leave-one-out advantages -> PPO epochs; returns the metrics row."""
-    started = time.time()
-    # seeded per iteration: a resumed run samples what the unbroken run would have
-    seed = cfg.seed * 10**6 + iteration * 1000
-    random.seed(seed + RANK)
-    torch.manual_seed(seed + RANK)
-    n_tasks = min(cfg.tasks_per_iteration, len(train_tasks))
-    tasks = random.Random(seed).sample(train_tasks, n_tasks)[RANK::WORLD]
-    k = cfg.rollouts_per_task
-    task_ids = [task for task in tasks for _ in range(k)]  # a task's K rollouts share a rank
-    env = environment(cfg.env)
-    # the K worlds of a task save their outputs apart
-    envs = [Hosted(env, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
-            for i, task in enumerate(task_ids)]
-    episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
-    rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
-    valid = torch.tensor([not e.failed for e in episodes]).view(len(tasks), k)
-    advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
-    stats = update(model, opt, episodes, advantages, cfg)
-    habit = [habits(e, env) for e in episodes] or [(0, 0, 0)]  # (a rank may have no episode)
-    n, failures, reward, success, turns, tokens, looked, erred, recovered = all_reduce([
-        len(episodes), sum(e.failed for e in episodes), (rewards * valid).sum().item(),
-        sum(e.success for e in episodes), sum(1 + max(e.turn) for e in episodes),
-        sum(len(e.ids) for e in episodes), *map(sum, zip(*habit))])
-    scored = max(n - failures, 1)  # reward and success: of the episodes whose world held up
-    # behaviour shares where the environment says what they count
-    shares = {"looked_first": looked / n} if hasattr(env, "DOCS_CALL") else {}
-    if hasattr(env, "ERROR_PREFIX"):
-        shares.update(error_rate=erred / n, recovered=recovered / max(erred, 1))
-    return {"iteration": iteration, "reward_mean": reward / scored,
-            "success_rate": success / scored, "turns_mean": turns / n, "tokens_mean": tokens / n,
-            "env_failures": int(failures), **shares, **stats,
-            "seconds": round(time.time() - started, 2)}
-
-def check_kv_cache(cfg, model, wave):
-    """Stop before the first rollout if a wave's KV cache, every episode at the context cap, would
-    not fit in the GPU's free memory: a line that says what to set, not an out-of-memory error."""
-    text = model.config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    dtype_bytes = 2 if cfg.bf16 else 4
-    per_token = 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes  # K and V
-    free = torch.cuda.mem_get_info()[0]
-    if cfg.rollout_full_weights:  # every layer stays gathered while sampling
-        free -= sum(p.numel() for p in model.parameters()) * dtype_bytes
-    fit = max(free, 0) // (per_token * cfg.max_context)
-    if wave > fit:
-        need = wave * per_token * cfg.max_context / 2**30
-        context = max(free, 0) // (per_token * wave)  # the cap at which the whole wave fits
-        room = f"--batch-episodes {fit}" if fit else f"--max-context {context}"
-        die(f"a wave of {wave} episodes of up to {cfg.max_context} tokens needs {need:.1f} GiB of "
-            f"KV cache per GPU and {free / 2**30:.1f} GiB are free: set {room} or lower")
-
+# 13. Main: a run claims its directory, starts, then iterates rollouts -> advantages -> update
 def main(argv=None):
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return  # a world's worker runs the main script again as it starts: no run of its own
@@ -1187,7 +1228,8 @@ def run(cfg, run_dir, made):
     metrics = os.path.join(run_dir, "metrics.jsonl")
     checkpoint, begin = last_checkpoint(run_dir) if cfg.resume else (None, 0)
     if begin >= cfg.iterations and trained_to(os.path.join(run_dir, "model")) == begin:
-        return say(f"{run_dir} is finished ({begin} iterations): nothing to do")
+        say(f"{run_dir} is finished ({begin} iterations): nothing to do")
+        return
     try:
         model, tok, chat, opt, train_tasks = start(cfg, run_dir, checkpoint)
     except BaseException:  # an error, die() or Ctrl-C: a failed start changes nothing on disk
@@ -1210,7 +1252,8 @@ def run(cfg, run_dir, made):
     with torch.autocast(DEVICE.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
         if cfg.eval:  # a run's trained model/ reports the iteration it was trained to
             log(evaluate(model, chat, cfg, cfg.split, trained_to(cfg.model) or 0, run_dir))
-            return say(f"evaluated: {metrics}")
+            say(f"evaluated: {metrics}")
+            return
         # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
         if not begin and not all_reduce([any("split" in r for r in rows)], dist.ReduceOp.MAX)[0]:
             log(evaluate(model, chat, cfg, cfg.split, 0, run_dir))
@@ -1220,8 +1263,9 @@ def run(cfg, run_dir, made):
                 log(evaluate(model, chat, cfg, cfg.split, it, run_dir))
             save_checkpoint(run_dir, model, opt, it)
     if max(begin, cfg.iterations) == 0:  # evaluated only: the model is the one it started from
-        return say(f"finished: {run_dir} holds metrics.jsonl and transcripts/ (no iterations, "
-                   "so no model/)")
+        say(f"finished: {run_dir} holds metrics.jsonl and transcripts/ (no iterations, so no "
+            "model/)")
+        return
     save_model(run_dir, model, tok, max(begin, cfg.iterations))
     say(f"finished: {run_dir} holds metrics.jsonl, transcripts/ and the trained model/. Next: "
         f"its figures, its model's evaluation, the model playing a task:\n"

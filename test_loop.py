@@ -298,788 +298,7 @@ def test_settings_parse_without_the_source_file(tmp_path):
     assert [r["iteration"] for r in rows] == [0, 1, 1] and (tmp_path / "profile").stat().st_size > 0
 
 
-# ---------------- 2. The model (loading, FSDP2, the chunked log-prob head); its chat template (chat.py)
-def test_the_shipped_tiny_model_loads_and_starts_where_the_readme_says(tmp_path):
-    """assets/tiny-model is a from_pretrained directory, made by tools/make_tiny_model.py with the
-    default settings (its log says so). Greedy, it solves the 9 order tasks of the test split,
-    where it reads the docs first, and no payback or phone task: held-out TGC 33.3%."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
-    tok = PreTrainedTokenizerFast.from_pretrained(SHIPPED)
-    text = 'apis.shop.kofi(item="x") <|im_end|>'
-    assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == model.config.vocab_size
-    made = json.loads(open(os.path.join(SHIPPED, "make_tiny_model.jsonl")).readline())["args"]
-    assert made == {"out": "assets/tiny-model", "seed": 1, "shape": make_tiny_model.SHAPE,
-                    "drills": 2000, "demos": 150, "lr": 3e-3}  # the command docs/tiny-model.md gives
-    loop.main(["--tiny", "--eval", "--out", str(tmp_path / "ev")])
-    row = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text())
-    solved = sorted(t for t, ok in row["per_task"].items() if ok)
-    assert solved == [t for t in tiny_world.TinyWorld.tasks("test") if t.startswith("order")]
-    assert row["tgc"] == pytest.approx(9 / 27) and row["sgc"] == pytest.approx(3 / 9)
-
-
-def _hub(status):
-    """A Hugging Face hub on localhost whose every answer is `status` with the hub's error code."""
-    import http.server
-    import threading
-
-    class Hub(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(status)
-            self.send_header("X-Error-Code", "RepoNotFound")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-        do_HEAD = do_GET
-
-        def log_message(self, *args):
-            pass
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-@pytest.mark.parametrize("hub", ["offline", "unreachable", "not_found"])
-def test_a_model_that_cannot_be_loaded_says_why_and_leaves_no_run(tmp_path, hub):
-    """A hub id that is in no local cache: offline and an unreachable hub say so; a hub that answers
-    404 says the model does not exist. No run directory is left behind."""
-    server = _hub(404) if hub == "not_found" else None
-    env = dict(os.environ, HF_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1" if hub == "offline" else "0",
-               HF_ENDPOINT=f"http://127.0.0.1:{server.server_port if server else 1}")
-    r = _cli("--env", "tiny", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--eval", cwd=tmp_path, env=env, timeout=120)
-    if server:
-        server.shutdown()
-    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
-    if hub == "not_found":
-        assert "model Qwen/Qwen2.5-0.5B-Instruct does not exist" in lines[0]
-    else:
-        assert "not in the local Hugging Face cache, and the hub cannot be reached" in lines[0]
-        assert "does not exist" not in lines[0] and ("HF_HUB_OFFLINE" in lines[0]) == (hub == "offline")
-    assert not (tmp_path / "runs").exists()
-
-
-def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
-    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
-    shutil.copytree(SHIPPED, snapshot)
-    (snapshot.parent.parent / "refs").mkdir()
-    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
-    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
-    code = "import loop; m, t = loop.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env, timeout=120)
-    assert r.returncode == 0 and r.stdout.split()[-1] == "598", r.stderr[-1000:]
-    assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
-
-
-def test_bad_flag_and_missing_model_path(tmp_path, capsys):
-    r = _cli("--ratio", "sideways")  # one test through a real process: the exit code the shell sees
-    assert r.returncode == 2 and "--ratio" in r.stderr and "Traceback" not in r.stderr
-    code, err = _error(capsys, "--tiny", "--model", str(tmp_path / "no" / "such" / "model"), "--eval",
-                       "--out", str(tmp_path / "run"))
-    assert code == 2 and f"there is no directory {tmp_path / 'no' / 'such' / 'model'}" in err
-    code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
-    assert err == (f"error: {tmp_path} holds no model: it has no config.json, no weights (*.safetensors), "
-                   "no tokenizer (tokenizer.json)\n")
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "tokenizer.json").write_text("{}")
-    code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
-    assert err == f"error: {tmp_path} holds no model: it has no weights (*.safetensors)\n"
-    assert not (tmp_path / "run").exists() and not (tmp_path / "run2").exists()
-
-
-def test_a_run_directory_given_as_the_model_says_where_its_model_is(tmp_path, capsys):
-    (tmp_path / "run" / "model").mkdir(parents=True)
-    (tmp_path / "run" / "metrics.jsonl").write_text("")
-    code, err = _error(capsys, "--tiny", "--eval", "--model", str(tmp_path / "run"), "--out", str(tmp_path / "ev"))
-    assert code == 2 and f"its trained model is {tmp_path / 'run' / 'model'}" in err
-    assert not (tmp_path / "ev").exists()
-
-
-@pytest.fixture(scope="module")
-def biased_model(tiny, tmp_path_factory):
-    """A random tiny model (whose flat softmax samples well outside its top 20) saved with a
-    generation_config.json like a hub model's (top-k 20, top-p 0.8, repetition penalty 1.3) and
-    loaded back the way users load a model."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    cfg, shipped, chat = tiny
-    path = tmp_path_factory.mktemp("biased")
-    torch.manual_seed(0)
-    saved = AutoModelForCausalLM.from_config(shipped.config)  # the shipped shape, random weights
-    saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3,
-                                               eos_token_id=[2, 5])
-    saved.save_pretrained(path)
-    chat.tok.save_pretrained(path)
-    assert json.loads((path / "generation_config.json").read_text())["top_k"] == 20
-    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]))
-    return model, loop.Chat(tok, model.generation_config.eos_token_id)
-
-
-def test_only_the_stop_ids_of_the_hub_generation_config_are_kept(biased_model):
-    model, chat = biased_model
-    kept = model.generation_config.to_diff_dict()
-    assert {k: v for k, v in kept.items() if k != "transformers_version"} == {"eos_token_id": [2, 5]}
-    assert chat.stop_ids == [2, 5]  # the template's <|im_end|> (2) and the config's 5
-
-
-def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
-    torch.manual_seed(0)
-    grads = []
-    for chunk in (3, 10_000):  # many small chunks vs one chunk holding every position
-        head = torch.nn.Linear(16, 50, bias=False)
-        head.weight.data = torch.randn(50, 16, generator=torch.Generator().manual_seed(1))
-        loop.chunked_logprob_head(head, chunk)
-        h = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
-        y = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
-        head.scoring = (y, 0.7, None)
-        lp = head(h)
-        (lp * torch.linspace(-1, 1, 7)).sum().backward()
-        grads.append((lp.detach(), h.grad, head.weight.grad))
-    full = torch.log_softmax(h[:, :7].detach() @ head.weight.detach().T / 0.7, -1).gather(-1, y[..., None]).squeeze(-1)
-    assert torch.allclose(grads[0][0], full, atol=1e-6)
-    for a, b in zip(grads[0], grads[1]):
-        assert torch.allclose(a, b, atol=1e-6)
-    head.scoring = None
-    assert head(h).shape == (2, 8, 50)  # without targets it is the plain head (generation)
-
-
-def _rss_mb(field="VmRSS"):
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith(field)) / 1024
-
-
-def _one_read_worker(out, folder, *flags):
-    """Both ranks load the model under --fsdp: rank 1's host memory growth (peak resident set) and
-    buffers, and then the whole model gathered from the shards."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    loop.start_distributed()
-    rank = loop.RANK
-    loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]))  # imports done
-    before = _rss_mb()
-    model, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
-    growth = _rss_mb("VmHWM") - before
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:  # (cpu_offload: rank 0 alone holds the gathered weights)
-        torch.save(weights, out + ".weights")
-    if rank == 1:
-        torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth,
-                    "parameters": len(list(model.parameters()))}, out)  # tied ones count once
-    dist.barrier()  # as the other workers end: a rank that exits with gloo up may abort (SIGABRT)
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("flags", [[], ["--lora", "--bf16"]])
-def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
-    """A random model of 466 MB (fp32) loaded on 2 gloo ranks: rank 1 builds it on the meta device
-    and receives its shards from rank 0, so its host memory grows by about its half (233 MB), well
-    below the model's size (before: every rank read the whole model first); its weights, LoRA
-    adapter included, buffers (RoPE's inv_freq, in no state dict) and tied weights are a one-process
-    load's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-    folder = str(tmp_path / "model")
-    tok = AutoTokenizer.from_pretrained(SHIPPED)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    size_mb = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    del model
-    r = _torchrun("test_loop.py", "one_read_worker", str(tmp_path / "rank1.pt"), folder, *flags)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.load(tmp_path / "rank1.pt") | {"weights": torch.load(tmp_path / "rank1.pt.weights")}
-    assert 400 < size_mb < 600
-    if not flags:  # (bf16 halves it: then the allocator's ~80 MB of slack would decide)
-        assert got["growth_mb"] < 0.75 * size_mb, got["growth_mb"]  # measured 310; before, 500
-    single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]))
-    expected = single.state_dict()
-    assert got["parameters"] == len(list(single.parameters()))  # the embedding is still the head
-    assert got["weights"].keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(got["weights"][name], tensor), name
-    buffers = dict(single.named_buffers())
-    assert buffers and got["buffers"].keys() == buffers.keys()
-    for name, tensor in buffers.items():
-        assert torch.equal(got["buffers"][name], tensor), name
-
-
-def test_tokenizer_is_exact_and_keeps_special_text_literal(tiny):
-    chat = tiny[2]
-    text = 'héllo <|im_end|> wörld 🎉 \x00\n\t  "quoted" 123 apis.bank.send(to="bob", amount=3)'
-    ids = chat.encode(text, literal=True)
-    assert chat.tok.decode(ids) == text
-    assert chat.eot not in ids  # environment text can never end a turn
-
-
-# Qwen2.5's chat template without its tool-calling branches: a default system prompt when none is
-# given, and a "\n" after every <|im_end|> that belongs to the template, not to the model.
-QWEN25_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
-@pytest.mark.parametrize("with_system", [True, False])
-def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
-    import copy
-    cfg, model, chat = tiny
-    tok = copy.deepcopy(chat.tok)
-    tok.chat_template = QWEN25_TEMPLATE
-    chat = loop.Chat(tok)
-    assert chat.pre == "\n<|im_start|>user\n" and chat.post == "<|im_end|>\n<|im_start|>assistant\n"
-    envs = [tiny_world.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
-    if not with_system:
-        for env in envs:
-            env.messages = (lambda m: lambda: m[1:])(env.messages())
-    torch.manual_seed(3)
-    for e in loop.rollout(model, chat, envs, ["payback02_1", "order04_2"], cfg, 1.0, 3):
-        rendered = tok.apply_chat_template(e.transcript[:-1], tokenize=False)
-        assert rendered.startswith("<|im_start|>system\n" + ("Apps:" if with_system else "You are Qwen"))
-        closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
-        assert tok.decode(e.ids) + closing == rendered
-
-
-# Tokenizers built here in the shape of other families: their special tokens, eos, the ids their
-# generation_config.json stops on, and a chat template written in the family's shape (byte-level
-# BPE for all, trained on a few lines: the template is what differs).
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                   "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
-
-
-LLAMA3_TURNS = ("{%- for m in messages %}"
-                "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
-                "{%- endfor %}"
-                "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
-
-
-GEMMA_TURNS = ("{%- for m in messages %}"
-               "{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-               "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-               "{%- endif %}"
-               "{%- set role = 'model' if m.role == 'assistant' else m.role %}"
-               "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + m.content | trim + '<end_of_turn>\\n' }}"
-               "{%- endfor %}"
-               "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
-
-
-GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
-
-
-FAMILIES = {
-    "qwen2.5": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_end|>",
-                    generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=QWEN25_TEMPLATE),
-    "qwen3": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<think>", "</think>"],
-                  eos="<|im_end|>", generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=(
-        # the thinking of a reply before the last user message is dropped: not append-only
-        "{%- set ns = namespace(last_query=0) %}"
-        "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
-        "{%- for m in messages %}"
-        "{%- if m.role == 'assistant' %}"
-        "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') %}"
-        "{%- set thinking = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') if '</think>' in m.content else '' %}"
-        "{%- if loop.index0 > ns.last_query %}"
-        "{{- '<|im_start|>assistant\\n<think>\\n' + thinking + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
-        "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
-        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")),
-    "llama3.1": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|eot_id|>",
-                     generation_eos=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], eot="<|eot_id|>", template=(
-        # a system header of its own, with the system message's text after it
-        "{{- bos_token }}"
-        "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content | trim %}{%- set messages = messages[1:] %}"
-        "{%- else %}{%- set system = '' %}{%- endif %}"
-        "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' + system + '<|eot_id|>' }}"
-        + LLAMA3_TURNS)),
-    "llama3.0": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|end_of_text|>",
-                     generation_eos=["<|end_of_text|>"], eot="<|eot_id|>", template="{{- bos_token }}" + LLAMA3_TURNS),
-    "gemma2": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
-                   eot="<end_of_turn>", template=(
-        "{{- bos_token }}"
-        "{%- if messages[0].role == 'system' %}{{- raise_exception('System role not supported') }}{%- endif %}"
-        "{%- set prefix = '' %}" + GEMMA_TURNS)),
-    "gemma3": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
-                   eot="<end_of_turn>", template=(
-        # the system text starts the first user turn
-        "{{- bos_token }}"
-        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
-        "{%- else %}{%- set prefix = '' %}{%- endif %}" + GEMMA_TURNS)),
-    "phi3": dict(specials=["<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
-                 bos="<s>", eos="<|endoftext|>", generation_eos=["<|endoftext|>", "<|assistant|>", "<|end|>"], eot="<|end|>",
-                 template=("{%- for m in messages %}{{- '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{%- endfor %}"
-                           "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}")),
-    "mistral": dict(specials=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], bos="<s>", eos="</s>",
-                    generation_eos=["</s>"], eot="</s>", template=(
-        # the system text joins the first user message inside [INST] ... [/INST]
-        "{{- bos_token }}"
-        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
-        "{%- else %}{%- set prefix = '' %}{%- endif %}"
-        "{%- for m in messages %}"
-        "{%- if m.role == 'user' %}{{- '[INST] ' + (prefix if loop.first else '') + m.content + ' [/INST]' }}"
-        "{%- else %}{{- m.content + eos_token }}{%- endif %}"
-        "{%- endfor %}")),
-}
-
-
-STOP_IDS_OF = {"qwen2.5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
-               "llama3.1": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3.0": ["<|eot_id|>", "<|end_of_text|>"],
-               "gemma2": ["<end_of_turn>", "<eos>"], "gemma3": ["<end_of_turn>", "<eos>"],
-               "phi3": ["<|end|>", "<|endoftext|>", "<|assistant|>"], "mistral": ["</s>"]}
-
-
-CORPUS = [tiny_world.TinyWorld.SYSTEM, *tiny_world.TinyWorld.FAMILIES.values(), "Execution successful. Execution failed. KeyError",
-          "```python\nprint(apis.api_docs.show('shop'))\nprint(apis.supervisor.wishlist())\n```", "Let me look first.",
-          "apis.shop.kofi(item='lena') ordered sent to  12 the system user assistant model"]
-
-
-def family_tokenizer(name, sentencepiece=False):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    f = FAMILIES[name]
-    backend = Tokenizer(models.BPE())
-    if sentencepiece:  # a word at the start of a text gets "▁", as after a space
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-        backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-        alphabet = []
-    else:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=f["specials"], initial_alphabet=alphabet)
-    backend.train_from_iterator(CORPUS * 3, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=f.get("bos"), eos_token=f["eos"],
-                                  chat_template=f["template"], padding_side="left")
-    tok.add_tokens(f.get("added", []))  # Qwen3's <think>: added, but not special
-    return tok, tok.convert_tokens_to_ids(f["generation_eos"])
-
-
-# what a rollout of the tiny world could see: code replies; observations with the spaces and
-# newlines that `trim` removes, a one-word one, and one that starts with a number
-REPLIES = ["Let me look first.\n```python\nprint(apis.api_docs.show('shop'))\n```",
-           "```python\nprint(apis.supervisor.wishlist())\n```", "```python\napis.shop.kofi(item='lena')\n```"]
-
-
-OBSERVATIONS = ["apis.shop.kofi(item): orders an item\n", "  ['lena', 'kofi']  ", "12 ordered lena"]
-
-
-def _episode_and_rendering(chat, replies):
-    """An episode built turn by turn as rollout() builds it, and the template's rendering of the
-    same conversation, up to the next generation."""
-    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
-    e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
-    for turn, (reply, observation) in enumerate(zip(replies, OBSERVATIONS)):
-        loop.act(e, chat.encode(reply, literal=True) + [chat.eot], turn, chat)
-        loop.observe(e, observation, False, chat, cfg)
-    conversation = list(env.messages())
-    for reply, observation in zip(replies, OBSERVATIONS):
-        conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
-    return e, chat.encode(chat.render(conversation))
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_chat_follows_the_family_template(name):
-    tok, generation_eos = family_tokenizer(name)
-    chat = loop.Chat(tok, generation_eos)
-    assert chat.eot_text == FAMILIES[name]["eot"]
-    assert chat.stop_ids == sorted(tok.convert_tokens_to_ids(STOP_IDS_OF[name]))
-    folded = chat.fold_system  # the run says so in a note
-    assert folded == (name == "gemma2")
-    prompt = tok.decode(chat.prompt(tiny_world.TinyWorld("order00_1").messages()))
-    assert tiny_world.TinyWorld.SYSTEM in prompt and prompt.count(tok.bos_token or "\x00") <= 1
-    if folded or name in ("gemma3", "mistral"):  # the system text starts the first user message
-        assert tiny_world.TinyWorld.SYSTEM + "\n\n" + tiny_world.TinyWorld.FAMILIES["order"] in prompt
-    e, rendered = _episode_and_rendering(chat, REPLIES)
-    assert e.ids == rendered  # token for token, every observation where the template puts it
-    assert [i for i, out in zip(e.ids, e.is_output) if out].count(chat.eot) == len(REPLIES)
-
-
-@pytest.mark.parametrize("name", ["phi3", "mistral"])
-def test_an_observation_is_tokenized_where_it_stands(name):
-    """With a SentencePiece-style tokenizer an observation tokenized as a text of its own starts
-    with "▁"; in the conversation it follows the end-of-turn token. Its ids are the rendering's."""
-    chat = loop.Chat(*family_tokenizer(name, sentencepiece=True))
-    for observation in OBSERVATIONS:
-        conversation = [{"role": "user", "content": "task"}, {"role": "assistant", "content": REPLIES[0]},
-                        {"role": "user", "content": observation}]
-        rendered, ids = chat.encode(chat.render(conversation)), chat.observation(observation)
-        assert rendered[-len(ids) - 1] == chat.eot and rendered[-len(ids):] == ids  # right after the reply
-
-
-def test_qwen3_episode_keeps_the_thinking_its_template_drops():
-    """Qwen3's template renders earlier replies without their <think> block: the episode keeps the
-    ids that were sampled (what the update scores), so it is the rendering plus the thinking."""
-    chat = loop.Chat(*family_tokenizer("qwen3"))
-    thinking = "<think>\nLook at the docs first.\n</think>\n\n"
-    e, rendered = _episode_and_rendering(chat, [thinking + r for r in REPLIES])
-    assert e.ids != rendered
-    think = chat.encode(thinking)
-    for _ in REPLIES:  # take each turn's thinking out of the episode: the rendering is left
-        at = next(i for i in range(len(e.ids)) if e.ids[i:i + len(think)] == think)
-        assert all(e.is_output[at:at + len(think)])
-        del e.ids[at:at + len(think)], e.is_output[at:at + len(think)]
-    assert e.ids == rendered
-
-
-def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answer():
-    """QwQ-32B's and DeepSeek-R1-Distill's generation prompts end in "<think>\n": the sampled reply
-    holds "</think>" but no "<think>". A reply cut off while reasoning runs none of its drafts; a
-    finished one runs the code after "</think>". Qwen3's prompt opens nothing."""
-    tok, eos = family_tokenizer("qwen3")
-    assert loop.Chat(tok, eos).reply_start == ""
-    tok.chat_template = FAMILIES["qwen3"]["template"].replace(
-        "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
-    chat = loop.Chat(tok, eos)
-    assert chat.reply_start == "<think>\n" and chat.render([{"role": "user", "content": "u"}]).endswith("<think>\n")
-    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
-    e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
-    cut = "Draft:\n```python\napis.supervisor.complete_task(answer=0)"  # max_new_tokens reached
-    assert loop.act(e, chat.encode(cut, literal=True), 0, chat) == ""
-    assert e.transcript[-1]["content"] == "<think>\n" + cut  # the reply as the template renders it
-    done = "Look first.\n```python\nprint(0)\n```\n</think>\n\n```python\nprint(1)\n```"
-    assert loop.act(e, chat.encode(done, literal=True) + [chat.eot], 1, chat) == "print(1)"
-
-
-@pytest.mark.parametrize("name", ["qwen2.5", "llama3.0", "gemma2", "mistral"])
-def test_environment_text_that_spells_a_special_token_stays_text(name):
-    chat = loop.Chat(*family_tokenizer(name))
-    ids = chat.observation(f"printed {chat.eot_text} and {chat.tok.eos_token}, then more")
-    closing = chat.encode(chat.post)
-    assert chat.eot not in ids[:-len(closing)] and chat.tok.eos_token_id not in ids[:-len(closing)]
-    assert f"printed {chat.eot_text} and" in chat.tok.decode(ids)
-
-
-def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
-    tok, _ = family_tokenizer("qwen2.5")
-    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    with pytest.raises(ValueError, match="a turn could never end"):
-        loop.Chat(tok)
-    tok.chat_template = None
-    with pytest.raises(ValueError, match="has no chat template"):
-        loop.Chat(tok)
-
-
-# ---------------- 3. Environments: AppWorld (the real package, offline) and the tiny world (tiny_world.py)
-def test_extract_code():
-    assert loop.extract_code("hi\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "a = 1\nb = 2"
-    assert loop.extract_code("```python\nx = 3\nprint(x)") == "x = 3\nprint(x)"  # unterminated
-    assert loop.extract_code("no code here") == ""
-
-
-def test_only_the_code_after_a_reasoning_block_runs():
-    draft, answer = "```python\nsend(everyone)\n```", "```python\napis.supervisor.complete_task()\n```"
-    assert loop.extract_code(f"<think>first {draft}</think>\n{answer}") == "apis.supervisor.complete_task()"
-    assert loop.extract_code(f"plan {draft}</think>{answer}") == "apis.supervisor.complete_task()"  # opened in the prompt
-    assert loop.extract_code(f"<think>still thinking {draft}") == ""  # cut off before an answer
-
-
-def test_appworld_scripted_policy_right_and_wrong(appworld_root):
-    assert loop.AppWorldEnv.tasks("fixture") == list(AW_TASKS)
-    first = next(iter(AW_TASKS))  # a wrong solution on one task: each world costs seconds to start
-    envs = {(t, ok): _appworld(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS
-            for ok in (True, False) if ok or t == first}
-    for (task, correct), env in envs.items():
-        prompt = env.messages()[1]["content"]
-        assert AW_TASKS[task]["instruction"] in prompt and "Joyce Weaver" in prompt and "2023-05-18" in prompt
-        message = f"Let me do it.\n```python\n{aw_solution(task, correct)}\n```"
-        output = env.step(loop.extract_code(message))
-        assert "Execution failed" not in output and env.done, output
-        assert env.evaluate() == ((4, 4) if correct else (2, 4))
-
-
-def test_appworld_rollouts_are_isolated_and_a_dead_or_hung_worker_fails_its_episode(appworld_root):
-    envs = [_appworld("5a0f1c2_1", 60.0, f"pytest-iso{k}") for k in range(3)]
-    for env in envs:
-        env.messages()
-    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
-    assert [env.step(count).strip() for env in envs] == ["1", "1", "1"]
-    envs[0].step(aw_solution("5a0f1c2_1", True))
-    assert [env.step(count).strip() for env in envs] == ["2", "1", "1"]  # K=3 worlds of one task, separate state
-    envs[1].worker.kill()
-    assert "failed" in envs[1].step("print(1)") and envs[1].done
-    os.kill(envs[2].worker.pid, signal.SIGSTOP)  # hung: alive, never answers
-    try:
-        started = time.monotonic()
-        assert envs[2].call(("step", "print(1)"), wait=1.0) is None  # step waits timeout + 5 s
-        assert time.monotonic() - started < 5 and envs[2].failed and envs[2].done
-        envs[2].worker.join(5)
-        assert not envs[2].worker.is_alive()  # killed, not left behind
-    finally:
-        envs[2].worker.kill()  # a stopped child would hang the exit
-    assert "failed" in envs[2].step("print(1)") and envs[2].evaluate() is None  # no reward at all
-    assert envs[1].evaluate() is None and envs[0].evaluate() == (4, 4)
-
-
-def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root):
-    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
-    env = _appworld("5a0f1c2_1", 60.0, "pytest-reuse-a")
-    env.messages()
-    env.step(aw_solution("5a0f1c2_1", True))
-    assert env.step(count).strip() == "2" and env.evaluate() == (4, 4)
-    with open(f"/proc/{env.worker.pid}/stat") as fh:
-        parent = int(fh.read().rsplit(")", 1)[1].split()[1])
-    assert parent != os.getpid()  # started by the forkserver, not forked from the trainer
-    again = _appworld("5a0f1c2_2", 60.0, "pytest-reuse-b")
-    assert AW_TASKS["5a0f1c2_2"]["instruction"] in again.messages()[1]["content"]  # its world starts
-    assert again.worker.pid == env.worker.pid  # the idle worker took the next task
-    assert again.step(count).strip() == "1"  # in a world of its own: the first one's note is not there
-    again.step(aw_solution("5a0f1c2_2", True))
-    assert again.evaluate() == (4, 4)
-
-
-def test_an_idle_worker_that_died_is_replaced_not_handed_out(appworld_root):
-    env = _appworld("5a0f1c2_1", 60.0, "pytest-idle-a")
-    env.messages()
-    env.step(aw_solution("5a0f1c2_1", True))
-    assert env.evaluate() == (4, 4) and loop.Hosted.idle[-1][0] is env.worker  # waits idle
-    env.worker.kill()  # dies while it waits
-    env.worker.join(5)
-    again = _appworld("5a0f1c2_1", 60.0, "pytest-idle-b")
-    assert AW_TASKS["5a0f1c2_1"]["instruction"] in again.messages()[1]["content"]
-    assert again.worker is not env.worker and again.worker.is_alive()
-    again.step(aw_solution("5a0f1c2_1", True))
-    assert again.evaluate() == (4, 4) and not again.failed
-    assert all(worker.is_alive() for worker, _ in loop.Hosted.idle)
-
-
-def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypatch):
-    """Two worlds of a wave take a worker at once while one is idle: one gets it, the other a new
-    one. Unlocked, both saw the pool non-empty and the second pop() failed (a pool whose length
-    takes a while makes the race certain)."""
-    class Worker:
-        def is_alive(self):
-            return True
-
-    class SlowPool(list):
-        def __len__(self):
-            n = super().__len__()
-            time.sleep(0.05)  # the other thread runs meanwhile
-            return n
-    monkeypatch.setattr(loop.Hosted, "idle", SlowPool([(Worker(), "idle")]))
-    monkeypatch.setattr(loop.Hosted, "start_worker", lambda self: (Worker(), "new"))
-    worlds = [loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in range(2)]
-    taken = loop.concurrently([world.take_worker for world in worlds])
-    assert sorted(conn for _, conn in taken) == ["idle", "new"]
-
-
-def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
-    code, err = _error(capsys, "--eval", "--env", "appworld", "--split", "test_normal", "--tiny")
-    assert code == 2 and "appworld download data" in err
-
-
-def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
-    import dataclasses
-    cfg, _, chat = tiny
-    cfg = dataclasses.replace(cfg, env="appworld", max_obs_tokens=3000, max_context=32768)
-    env = _appworld("5a0f1c2_1", 30.0, "pytest-flood")
-    e = loop.start_wave([(env, "5a0f1c2_1")], chat, cfg)[0]
-    env.step("1")  # the world is up and its REPL has run once
-    start = time.monotonic()
-    code = loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, chat)
-    loop.observe(e, env.step(code), False, chat, cfg)
-    assert time.monotonic() - start < 1.0
-    observation = e.transcript[-1]["content"]
-    assert observation.endswith(" characters, showing the first 3000 tokens]")  # 2,000,000 x and a newline
-    assert "\n[output truncated: 2000001 characters" in observation
-    assert 3000 <= len(observation) < 4000
-    env.evaluate()
-
-
-def _run(task, *codes):
-    w = tiny_world.TinyWorld(task, timeout=0.5)
-    obs = [w.step(c) for c in codes]
-    return w, obs, w.evaluate()
-
-
-def _docs(w, app):
-    return w.step(f'print(apis.api_docs.show(app="{app}"))')
-
-
-def test_tiny_world_order_needs_the_api_name_from_the_docs():
-    w = tiny_world.TinyWorld("order04_2")
-    buy = w.api["shop"]
-    assert _docs(w, "shop") == f"apis.shop.{buy}(item): orders an item"
-    good = f"apis.shop.{buy}(item=apis.supervisor.wishlist()[0])"
-    assert _run("order04_2", good, "apis.supervisor.complete_task()")[2] == (3, 3)
-    assert _run("order04_2", good)[2] == (2, 3)  # not completed
-    assert _run("order04_2", good.replace("[0]", "[-1]"), "apis.supervisor.complete_task()")[2] == (2, 3)
-    wrong = next(a for a in tiny_world.TASK_VALUES["words"] if a != buy)
-    world, obs, result = _run("order04_2", good.replace(buy, wrong))
-    assert obs[0] == f"Execution failed. AttributeError: shop has no API named '{wrong}'"
-    assert result == (0, 3) and not world.orders
-
-
-def test_tiny_world_payback_pays_the_last_payment():
-    w = tiny_world.TinyWorld("payback05_3")
-    (last, amount), (other, other_amount) = w.payments
-    assert _docs(w, "bank") == f"apis.bank.{w.api['bank']}(name, amount): sends money"
-    assert w.step("print(apis.supervisor.payments())") == str(
-        [{"name": last, "amount": amount}, {"name": other, "amount": other_amount}])
-    send = f'apis.bank.{w.api["bank"]}(name="{{}}", amount={{}})\napis.supervisor.complete_task()'
-    assert _run("payback05_3", send.format(last, amount))[2] == (4, 4)
-    assert _run("payback05_3", send.format(other, other_amount))[2] == (2, 4)
-    assert _run("payback05_3", send.format(last, other_amount))[2] == (3, 4)
-    assert _run("payback05_3", send.format(last, amount), send.format(last, amount))[2] == (1, 4)  # paid twice
-    assert "no contact" in _run("payback05_3", send.format("nobody", 1))[1][0]
-
-
-def test_tiny_world_phone_of_the_last_payer():
-    w = tiny_world.TinyWorld("phone07_1")
-    last, other = w.payments[0][0], w.payments[1][0]
-    lookup = f"apis.contacts.{w.api['contacts']}"
-    world, obs, result = _run("phone07_1", f'print({lookup}(name="{last}"))', "")
-    assert obs[0] == str(world.phones[last]) and result == (0, 3)
-    world, obs, result = _run("phone07_1", f'x = {lookup}(name="{last}")', "apis.supervisor.complete_task(answer=x)")
-    assert result == (3, 3) and obs[1] == "Execution successful." and world.done  # REPL state persists
-    assert _run("phone07_1", f'apis.supervisor.complete_task(answer={lookup}(name="{other}"))')[2] == (2, 3)
-    assert _run("phone07_1", f'apis.supervisor.complete_task(answer="{w.phones[last]}")')[2] == (1, 3)  # a str
-
-
-def test_tiny_world_no_fixed_api_guess_solves_more_than_a_few_tasks():
-    """Each world names its APIs anew, so only the docs tell which to call."""
-    tasks = tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test")
-    for app in tiny_world.TinyWorld.APPS.values():
-        names = collections.Counter(tiny_world.TinyWorld(t).api[app] for t in tasks)
-        assert max(names.values()) <= 6, names.most_common(3)  # of 108 tasks
-    for t in tasks:  # and never a name that is also a person or an item of that world
-        w = tiny_world.TinyWorld(t)
-        assert len(set(w.api.values()) | set(w.phones) | set(w.wishlist)) == 10
-
-
-def test_a_name_is_the_same_tokens_in_the_docs_and_in_code(tiny):
-    """The tiny tokenizer keeps a dot with the name after it, so the API name that follows
-    `.shop` in the docs is the one that follows it in the call: a one-token lookup."""
-    _, _, chat = tiny
-    w = tiny_world.TinyWorld("order00_1")
-    docs = chat.tok.tokenize(w.docs("shop"))
-    code = chat.tok.tokenize(make_tiny_model.action(w, w.api["shop"], 0))
-    name = chat.tok.tokenize("." + w.api["shop"])
-    assert docs[:2 + len(name)] == code[:2 + len(name)] == ["apis", ".shop"] + name
-    assert all(len(chat.tok.tokenize(word)) > 1 for word in tiny_world.WORDS)  # no name is one token
-
-
-def test_agent_code_failures_become_observations():
-    t = time.monotonic()
-    w, obs, result = _run("payback01_1", "1/0", "def f(:\n  pass", "while True:\n    pass",
-                          "while True: print('x' * 1000)", "open('/etc/passwd')", "import os",
-                          f'apis.bank.{tiny_world.TinyWorld("payback01_1").api["bank"]}(name="nobody", amount=1)')
-    assert time.monotonic() - t < 5
-    assert "ZeroDivisionError" in obs[0]
-    assert "SyntaxError" in obs[1]
-    assert "longer than" in obs[2]
-    assert "output exceeded" in obs[3]
-    assert "NameError" in obs[4] and "failed" in obs[5]
-    assert "KeyError" in obs[6]
-    assert result == (0, 4) and not w.done
-
-
-UNSTOPPABLE = {"a bare except around an endless loop": "while True:\n    try:\n        while True:\n            pass\n"
-                                                        "    except:\n        pass",
-               "a long C call": "sum(range(10**12))",
-               "a recursion that swallows every exception": "def f():\n    try:\n        f()\n    except:\n"
-                                                            "        f()\nf()"}
-
-
-def test_agent_code_that_cannot_be_stopped_from_inside_fails_its_world_in_time_and_the_run_goes_on(tiny, monkeypatch):
-    """Agent code that the world's own time limit (1 s) cannot stop: the tracer's deadline fires once and
-    a bare except swallows it; a C call makes no line events; so it runs in a worker process, killed at
-    the time limit + Hosted.MARGIN. Its episode fails (no reward), the others of the turn answer, and
-    the next rollout plays in fresh workers. Before, the first of these hung the run for good."""
-    cfg = dataclasses.replace(tiny[0], batch_episodes=8)
-    codes = [*UNSTOPPABLE.values(), "print(apis.supervisor.wishlist())"]
-    monkeypatch.setattr(loop, "generate", _scripted_turns(lambda turn: codes))
-    worlds = [loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in codes]
-    started = time.monotonic()
-    episodes = loop.rollout(tiny[1], tiny[2], worlds, ["order00_1"] * len(codes), cfg, 1.0, 1)
-    seconds = time.monotonic() - started
-    assert seconds < 1.0 + loop.Hosted.MARGIN + 3, seconds
-    assert [e.failed for e in episodes] == [True, True, True, False]
-    assert all(e.transcript[-1]["content"].startswith("Environment failed") for e in episodes[:3])
-    assert episodes[3].transcript[-1]["content"] == str(loop.TinyWorld("order00_1").wishlist)
-    for world in worlds[:3]:
-        world.worker.join(5)
-        assert not world.worker.is_alive()  # killed, not left running
-    monkeypatch.setattr(loop, "generate", scripted_policy(tiny_solution))
-    again = [loop.Hosted(loop.TinyWorld, task, 1.0, "pytest") for task in ("order00_1", "phone00_1")]
-    assert [e.success for e in loop.rollout(tiny[1], tiny[2], again, ["order00_1", "phone00_1"], cfg, 1.0, 3)] == [True] * 2
-
-
-FIRST_ANSWERS = """
-import sys, time
-sys.path.insert(0, {here!r})
-import loop
-
-if __name__ == "__main__":
-    for _ in range(5):
-        world = loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest")
-        started = time.monotonic()
-        world.messages()
-        print(time.monotonic() - started, flush=True)
-"""
-
-
-def test_a_new_worker_answers_without_importing_torch_again(tmp_path):
-    """A worker runs the main script again as it starts (Python 3.11's forkserver does not preload
-    __main__), whose imports the forkserver has made for it: after the first world (which starts the
-    forkserver) one answers in about 0.05 s here. Before, every worker imported torch itself, about
-    1 s each, and in a --tiny run, 72 at a time; run from a directory without loop.py beside it."""
-    script = tmp_path / "first.py"
-    script.write_text(FIRST_ANSWERS.format(here=HERE))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    first, *later = map(float, r.stdout.split())
-    assert sorted(later)[len(later) // 2] < 0.4, (first, later)
-
-
-def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monkeypatch):
-    """A world's module is __main__ when run as a script (a forker's own world), its name when
-    imported. The same erring code gives the same observation both ways: CPython names a callee
-    with its module in */** argument errors (it read `__main__.run_code.<locals>.limited_print()`
-    vs `loop.run_...`), so print and the APIs read as the agent calls them."""
-    import importlib.util
-    # as `python tiny_world.py` would, under a name that is not its own
-    spec = importlib.util.spec_from_file_location("launched", tiny_world.__file__)
-    launched = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "launched", launched)
-    spec.loader.exec_module(launched)
-    bank = tiny_world.TinyWorld("payback01_1").api["bank"]
-    codes = ['print(**apis.api_docs.show(app="bank"))', "print(*1)", f"apis.bank.{bank}(**[1])",
-             "apis.api_docs.show(*5)", 'apis.api_docs.show(app_name="bank")', f"apis.bank.{bank}(1)",
-             "apis.supervisor.complete_task(**'x')", "apis.supervisor.payments(1, 2)",
-             "print(apis, apis.shop, apis.supervisor.wishlist, print)", "apis()"]
-    seen = {name: [module.TinyWorld("payback01_1").step(code) for code in codes]
-            for name, module in (("import", tiny_world), ("script", launched))}
-    assert seen["import"] == seen["script"]
-    assert seen["import"][:3] == ["Execution failed. TypeError: print() argument after ** must be a mapping, not str",
-                                  "Execution failed. TypeError: print() argument after * must be an iterable, not int",
-                                  f"Execution failed. TypeError: apis.bank.{bank}() argument after ** must be a "
-                                  "mapping, not list"]
-    assert not any(word in text for text in seen["import"] for word in ("tiny_world", "launched", "<locals>", "TinyWorld"))
-    # an object's memory address changes from process to process: a run would not repeat itself
-    assert seen["import"][-2:] == ["<app apis> <app shop> <function apis.supervisor.wishlist> <function print>",
-                                   "Execution failed. TypeError: 'App' object is not callable"]
-
-
-def test_splits_are_scenarios_of_three_and_disjoint():
-    train, test = tiny_world.TinyWorld.tasks("train"), tiny_world.TinyWorld.tasks("test")
-    assert not set(train) & set(test)
-    scenarios = {}
-    for t in train + test:
-        scenarios.setdefault(t.split("_")[0], []).append(t)
-    assert all(len(v) == 3 for v in scenarios.values())
-    assert not {t.split("_")[0] for t in train} & {t.split("_")[0] for t in test}
-
-
-# ---------------- 4. Rollouts: the POMDP's token bookkeeping, the carried KV cache, waves, sampling = scoring
+# ---------------- 2. Rollouts: the POMDP's token bookkeeping, the carried KV cache, waves, sampling = scoring
 def test_sampled_ids_are_kept_exactly_and_masked(episodes):
     eps, calls = episodes
     assert len(calls) >= 2  # several turns were played
@@ -1747,7 +966,7 @@ def test_what_generation_sampled_is_what_the_update_scores_on_two_fsdp_ranks(tmp
             assert rank["worst"] < SAMPLING_TOLERANCE, (name, rank["worst"])
 
 
-# ---------------- 5. Leave-one-out advantages (Eq. 3)
+# ---------------- 3. Leave-one-out advantages (Eq. 3)
 def test_loo_advantages_k2():
     adv = loop.loo_advantages(torch.tensor([[1.0, 0.0], [0.25, 0.75]]))
     assert torch.allclose(adv, torch.tensor([[1.0, -1.0], [-0.5, 0.5]]))
@@ -1835,7 +1054,7 @@ def test_a_world_that_dies_mid_episode_leaves_its_group_and_counts_as_a_failure(
     assert row["env_failures"] == 1 and row["tgc"] == pytest.approx(2 / 3)
 
 
-# ---------------- 6. The clipped objective (Eq. 5) and its variants
+# ---------------- 4. The clipped objective (Eq. 5) and its variants
 # One rollout: tokens 0 and 4 are environment tokens, 1-2 form turn 0 and 3 forms turn 1.
 # log ratios on the output tokens: log 1.5, log 0.5, log 1.05; eps = 0.1 -> clip to [1/1.1, 1.1].
 MASK = torch.tensor([[False, True, True, True, False]])
@@ -1958,7 +1177,7 @@ def test_environment_tokens_cannot_change_the_loss(kind):
     assert a[1][0] == a[1][4] == 0.0  # no gradient reaches a context token
 
 
-# ---------------- 7. The training step: update, micro-batches, FSDP
+# ---------------- 5. The update: PPO epochs, micro-batches, FSDP's lockstep
 def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
     cfg, model, chat = tiny
     eps = episodes[0]
@@ -2318,7 +1537,7 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     assert all("lora_" in k for k in keys if k.startswith("model."))
 
 
-# ---------------- 8. Evaluation: TGC and SGC
+# ---------------- 6. Evaluation: TGC and SGC
 def _docs_seen(text):
     """{app: its API name} of every app whose docs the conversation shows."""
     return dict(re.findall(r"^apis\.(shop|bank|contacts)\.(\w+)\(", text, flags=re.M))
@@ -2400,7 +1619,476 @@ def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, mo
     assert {t: v["success"] for t, v in official.items()} == row["per_task"]
 
 
-# ---------------- 9. Checkpoints and the log: resume, kills at any moment, metrics, console, trackers
+# ---------------- 7-10. Infrastructure: loading, LoRA, FSDP2, the log-prob head; the chat template (chat.py)
+def test_the_shipped_tiny_model_loads_and_starts_where_the_readme_says(tmp_path):
+    """assets/tiny-model is a from_pretrained directory, made by tools/make_tiny_model.py with the
+    default settings (its log says so). Greedy, it solves the 9 order tasks of the test split,
+    where it reads the docs first, and no payback or phone task: held-out TGC 33.3%."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    tok = PreTrainedTokenizerFast.from_pretrained(SHIPPED)
+    text = 'apis.shop.kofi(item="x") <|im_end|>'
+    assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == model.config.vocab_size
+    made = json.loads(open(os.path.join(SHIPPED, "make_tiny_model.jsonl")).readline())["args"]
+    assert made == {"out": "assets/tiny-model", "seed": 1, "shape": make_tiny_model.SHAPE,
+                    "drills": 2000, "demos": 150, "lr": 3e-3}  # the command docs/tiny-model.md gives
+    loop.main(["--tiny", "--eval", "--out", str(tmp_path / "ev")])
+    row = json.loads((tmp_path / "ev" / "metrics.jsonl").read_text())
+    solved = sorted(t for t, ok in row["per_task"].items() if ok)
+    assert solved == [t for t in tiny_world.TinyWorld.tasks("test") if t.startswith("order")]
+    assert row["tgc"] == pytest.approx(9 / 27) and row["sgc"] == pytest.approx(3 / 9)
+
+
+def _hub(status):
+    """A Hugging Face hub on localhost whose every answer is `status` with the hub's error code."""
+    import http.server
+    import threading
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("hub", ["offline", "unreachable", "not_found"])
+def test_a_model_that_cannot_be_loaded_says_why_and_leaves_no_run(tmp_path, hub):
+    """A hub id that is in no local cache: offline and an unreachable hub say so; a hub that answers
+    404 says the model does not exist. No run directory is left behind."""
+    server = _hub(404) if hub == "not_found" else None
+    env = dict(os.environ, HF_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1" if hub == "offline" else "0",
+               HF_ENDPOINT=f"http://127.0.0.1:{server.server_port if server else 1}")
+    r = _cli("--env", "tiny", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--eval", cwd=tmp_path, env=env, timeout=120)
+    if server:
+        server.shutdown()
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
+    if hub == "not_found":
+        assert "model Qwen/Qwen2.5-0.5B-Instruct does not exist" in lines[0]
+    else:
+        assert "not in the local Hugging Face cache, and the hub cannot be reached" in lines[0]
+        assert "does not exist" not in lines[0] and ("HF_HUB_OFFLINE" in lines[0]) == (hub == "offline")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
+    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(SHIPPED, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
+    code = "import loop; m, t = loop.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "598", r.stderr[-1000:]
+    assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
+
+
+def test_bad_flag_and_missing_model_path(tmp_path, capsys):
+    r = _cli("--ratio", "sideways")  # one test through a real process: the exit code the shell sees
+    assert r.returncode == 2 and "--ratio" in r.stderr and "Traceback" not in r.stderr
+    code, err = _error(capsys, "--tiny", "--model", str(tmp_path / "no" / "such" / "model"), "--eval",
+                       "--out", str(tmp_path / "run"))
+    assert code == 2 and f"there is no directory {tmp_path / 'no' / 'such' / 'model'}" in err
+    code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
+    assert err == (f"error: {tmp_path} holds no model: it has no config.json, no weights (*.safetensors), "
+                   "no tokenizer (tokenizer.json)\n")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    code, err = _error(capsys, "--tiny", "--model", str(tmp_path), "--eval", "--out", str(tmp_path / "run2"))
+    assert err == f"error: {tmp_path} holds no model: it has no weights (*.safetensors)\n"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run2").exists()
+
+
+def test_a_run_directory_given_as_the_model_says_where_its_model_is(tmp_path, capsys):
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    code, err = _error(capsys, "--tiny", "--eval", "--model", str(tmp_path / "run"), "--out", str(tmp_path / "ev"))
+    assert code == 2 and f"its trained model is {tmp_path / 'run' / 'model'}" in err
+    assert not (tmp_path / "ev").exists()
+
+
+@pytest.fixture(scope="module")
+def biased_model(tiny, tmp_path_factory):
+    """A random tiny model (whose flat softmax samples well outside its top 20) saved with a
+    generation_config.json like a hub model's (top-k 20, top-p 0.8, repetition penalty 1.3) and
+    loaded back the way users load a model."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    cfg, shipped, chat = tiny
+    path = tmp_path_factory.mktemp("biased")
+    torch.manual_seed(0)
+    saved = AutoModelForCausalLM.from_config(shipped.config)  # the shipped shape, random weights
+    saved.generation_config = GenerationConfig(do_sample=True, top_k=20, top_p=0.8, repetition_penalty=1.3,
+                                               eos_token_id=[2, 5])
+    saved.save_pretrained(path)
+    chat.tok.save_pretrained(path)
+    assert json.loads((path / "generation_config.json").read_text())["top_k"] == 20
+    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]))
+    return model, loop.Chat(tok, model.generation_config.eos_token_id)
+
+
+def test_only_the_stop_ids_of_the_hub_generation_config_are_kept(biased_model):
+    model, chat = biased_model
+    kept = model.generation_config.to_diff_dict()
+    assert {k: v for k, v in kept.items() if k != "transformers_version"} == {"eos_token_id": [2, 5]}
+    assert chat.stop_ids == [2, 5]  # the template's <|im_end|> (2) and the config's 5
+
+
+def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
+    torch.manual_seed(0)
+    grads = []
+    for chunk in (3, 10_000):  # many small chunks vs one chunk holding every position
+        head = torch.nn.Linear(16, 50, bias=False)
+        head.weight.data = torch.randn(50, 16, generator=torch.Generator().manual_seed(1))
+        loop.chunked_logprob_head(head, chunk)
+        h = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        y = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+        head.scoring = (y, 0.7, None)
+        lp = head(h)
+        (lp * torch.linspace(-1, 1, 7)).sum().backward()
+        grads.append((lp.detach(), h.grad, head.weight.grad))
+    full = torch.log_softmax(h[:, :7].detach() @ head.weight.detach().T / 0.7, -1).gather(-1, y[..., None]).squeeze(-1)
+    assert torch.allclose(grads[0][0], full, atol=1e-6)
+    for a, b in zip(grads[0], grads[1]):
+        assert torch.allclose(a, b, atol=1e-6)
+    head.scoring = None
+    assert head(h).shape == (2, 8, 50)  # without targets it is the plain head (generation)
+
+
+def _rss_mb(field="VmRSS"):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field)) / 1024
+
+
+def _one_read_worker(out, folder, *flags):
+    """Both ranks load the model under --fsdp: rank 1's host memory growth (peak resident set) and
+    buffers, and then the whole model gathered from the shards."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    loop.start_distributed()
+    rank = loop.RANK
+    loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]))  # imports done
+    before = _rss_mb()
+    model, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
+    growth = _rss_mb("VmHWM") - before
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # (cpu_offload: rank 0 alone holds the gathered weights)
+        torch.save(weights, out + ".weights")
+    if rank == 1:
+        torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth,
+                    "parameters": len(list(model.parameters()))}, out)  # tied ones count once
+    dist.barrier()  # as the other workers end: a rank that exits with gloo up may abort (SIGABRT)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flags", [[], ["--lora", "--bf16"]])
+def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
+    """A random model of 466 MB (fp32) loaded on 2 gloo ranks: rank 1 builds it on the meta device
+    and receives its shards from rank 0, so its host memory grows by about its half (233 MB), well
+    below the model's size (before: every rank read the whole model first); its weights, LoRA
+    adapter included, buffers (RoPE's inv_freq, in no state dict) and tied weights are a one-process
+    load's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    folder = str(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    size_mb = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del model
+    r = _torchrun("test_loop.py", "one_read_worker", str(tmp_path / "rank1.pt"), folder, *flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "rank1.pt") | {"weights": torch.load(tmp_path / "rank1.pt.weights")}
+    assert 400 < size_mb < 600
+    if not flags:  # (bf16 halves it: then the allocator's ~80 MB of slack would decide)
+        assert got["growth_mb"] < 0.75 * size_mb, got["growth_mb"]  # measured 310; before, 500
+    single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]))
+    expected = single.state_dict()
+    assert got["parameters"] == len(list(single.parameters()))  # the embedding is still the head
+    assert got["weights"].keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got["weights"][name], tensor), name
+    buffers = dict(single.named_buffers())
+    assert buffers and got["buffers"].keys() == buffers.keys()
+    for name, tensor in buffers.items():
+        assert torch.equal(got["buffers"][name], tensor), name
+
+
+def test_tokenizer_is_exact_and_keeps_special_text_literal(tiny):
+    chat = tiny[2]
+    text = 'héllo <|im_end|> wörld 🎉 \x00\n\t  "quoted" 123 apis.bank.send(to="bob", amount=3)'
+    ids = chat.encode(text, literal=True)
+    assert chat.tok.decode(ids) == text
+    assert chat.eot not in ids  # environment text can never end a turn
+
+
+# Qwen2.5's chat template without its tool-calling branches: a default system prompt when none is
+# given, and a "\n" after every <|im_end|> that belongs to the template, not to the model.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("with_system", [True, False])
+def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
+    import copy
+    cfg, model, chat = tiny
+    tok = copy.deepcopy(chat.tok)
+    tok.chat_template = QWEN25_TEMPLATE
+    chat = loop.Chat(tok)
+    assert chat.pre == "\n<|im_start|>user\n" and chat.post == "<|im_end|>\n<|im_start|>assistant\n"
+    envs = [tiny_world.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
+    if not with_system:
+        for env in envs:
+            env.messages = (lambda m: lambda: m[1:])(env.messages())
+    torch.manual_seed(3)
+    for e in loop.rollout(model, chat, envs, ["payback02_1", "order04_2"], cfg, 1.0, 3):
+        rendered = tok.apply_chat_template(e.transcript[:-1], tokenize=False)
+        assert rendered.startswith("<|im_start|>system\n" + ("Apps:" if with_system else "You are Qwen"))
+        closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
+        assert tok.decode(e.ids) + closing == rendered
+
+
+# Tokenizers built here in the shape of other families: their special tokens, eos, the ids their
+# generation_config.json stops on, and a chat template written in the family's shape (byte-level
+# BPE for all, trained on a few lines: the template is what differs).
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+
+
+LLAMA3_TURNS = ("{%- for m in messages %}"
+                "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
+                "{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+GEMMA_TURNS = ("{%- for m in messages %}"
+               "{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{%- endif %}"
+               "{%- set role = 'model' if m.role == 'assistant' else m.role %}"
+               "{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + m.content | trim + '<end_of_turn>\\n' }}"
+               "{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
+
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+
+
+FAMILIES = {
+    "qwen2.5": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_end|>",
+                    generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=QWEN25_TEMPLATE),
+    "qwen3": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<think>", "</think>"],
+                  eos="<|im_end|>", generation_eos=["<|im_end|>", "<|endoftext|>"], eot="<|im_end|>", template=(
+        # the thinking of a reply before the last user message is dropped: not append-only
+        "{%- set ns = namespace(last_query=0) %}"
+        "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{%- for m in messages %}"
+        "{%- if m.role == 'assistant' %}"
+        "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') %}"
+        "{%- set thinking = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') if '</think>' in m.content else '' %}"
+        "{%- if loop.index0 > ns.last_query %}"
+        "{{- '<|im_start|>assistant\\n<think>\\n' + thinking + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")),
+    "llama3.1": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|eot_id|>",
+                     generation_eos=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], eot="<|eot_id|>", template=(
+        # a system header of its own, with the system message's text after it
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content | trim %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set system = '' %}{%- endif %}"
+        "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' + system + '<|eot_id|>' }}"
+        + LLAMA3_TURNS)),
+    "llama3.0": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|end_of_text|>",
+                     generation_eos=["<|end_of_text|>"], eot="<|eot_id|>", template="{{- bos_token }}" + LLAMA3_TURNS),
+    "gemma2": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
+                   eot="<end_of_turn>", template=(
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{{- raise_exception('System role not supported') }}{%- endif %}"
+        "{%- set prefix = '' %}" + GEMMA_TURNS)),
+    "gemma3": dict(specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", generation_eos=["<eos>", "<end_of_turn>"],
+                   eot="<end_of_turn>", template=(
+        # the system text starts the first user turn
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set prefix = '' %}{%- endif %}" + GEMMA_TURNS)),
+    "phi3": dict(specials=["<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
+                 bos="<s>", eos="<|endoftext|>", generation_eos=["<|endoftext|>", "<|assistant|>", "<|end|>"], eot="<|end|>",
+                 template=("{%- for m in messages %}{{- '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{%- endfor %}"
+                           "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}")),
+    "mistral": dict(specials=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], bos="<s>", eos="</s>",
+                    generation_eos=["</s>"], eot="</s>", template=(
+        # the system text joins the first user message inside [INST] ... [/INST]
+        "{{- bos_token }}"
+        "{%- if messages[0].role == 'system' %}{%- set prefix = messages[0].content + '\\n\\n' %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set prefix = '' %}{%- endif %}"
+        "{%- for m in messages %}"
+        "{%- if m.role == 'user' %}{{- '[INST] ' + (prefix if loop.first else '') + m.content + ' [/INST]' }}"
+        "{%- else %}{{- m.content + eos_token }}{%- endif %}"
+        "{%- endfor %}")),
+}
+
+
+STOP_IDS_OF = {"qwen2.5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
+               "llama3.1": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3.0": ["<|eot_id|>", "<|end_of_text|>"],
+               "gemma2": ["<end_of_turn>", "<eos>"], "gemma3": ["<end_of_turn>", "<eos>"],
+               "phi3": ["<|end|>", "<|endoftext|>", "<|assistant|>"], "mistral": ["</s>"]}
+
+
+CORPUS = [tiny_world.TinyWorld.SYSTEM, *tiny_world.TinyWorld.FAMILIES.values(), "Execution successful. Execution failed. KeyError",
+          "```python\nprint(apis.api_docs.show('shop'))\nprint(apis.supervisor.wishlist())\n```", "Let me look first.",
+          "apis.shop.kofi(item='lena') ordered sent to  12 the system user assistant model"]
+
+
+def family_tokenizer(name, sentencepiece=False):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    f = FAMILIES[name]
+    backend = Tokenizer(models.BPE())
+    if sentencepiece:  # a word at the start of a text gets "▁", as after a space
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        alphabet = []
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=f["specials"], initial_alphabet=alphabet)
+    backend.train_from_iterator(CORPUS * 3, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=f.get("bos"), eos_token=f["eos"],
+                                  chat_template=f["template"], padding_side="left")
+    tok.add_tokens(f.get("added", []))  # Qwen3's <think>: added, but not special
+    return tok, tok.convert_tokens_to_ids(f["generation_eos"])
+
+
+# what a rollout of the tiny world could see: code replies; observations with the spaces and
+# newlines that `trim` removes, a one-word one, and one that starts with a number
+REPLIES = ["Let me look first.\n```python\nprint(apis.api_docs.show('shop'))\n```",
+           "```python\nprint(apis.supervisor.wishlist())\n```", "```python\napis.shop.kofi(item='lena')\n```"]
+
+
+OBSERVATIONS = ["apis.shop.kofi(item): orders an item\n", "  ['lena', 'kofi']  ", "12 ordered lena"]
+
+
+def _episode_and_rendering(chat, replies):
+    """An episode built turn by turn as rollout() builds it, and the template's rendering of the
+    same conversation, up to the next generation."""
+    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
+    e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
+    for turn, (reply, observation) in enumerate(zip(replies, OBSERVATIONS)):
+        loop.act(e, chat.encode(reply, literal=True) + [chat.eot], turn, chat)
+        loop.observe(e, observation, False, chat, cfg)
+    conversation = list(env.messages())
+    for reply, observation in zip(replies, OBSERVATIONS):
+        conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
+    return e, chat.encode(chat.render(conversation))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chat_follows_the_family_template(name):
+    tok, generation_eos = family_tokenizer(name)
+    chat = loop.Chat(tok, generation_eos)
+    assert chat.eot_text == FAMILIES[name]["eot"]
+    assert chat.stop_ids == sorted(tok.convert_tokens_to_ids(STOP_IDS_OF[name]))
+    folded = chat.fold_system  # the run says so in a note
+    assert folded == (name == "gemma2")
+    prompt = tok.decode(chat.prompt(tiny_world.TinyWorld("order00_1").messages()))
+    assert tiny_world.TinyWorld.SYSTEM in prompt and prompt.count(tok.bos_token or "\x00") <= 1
+    if folded or name in ("gemma3", "mistral"):  # the system text starts the first user message
+        assert tiny_world.TinyWorld.SYSTEM + "\n\n" + tiny_world.TinyWorld.FAMILIES["order"] in prompt
+    e, rendered = _episode_and_rendering(chat, REPLIES)
+    assert e.ids == rendered  # token for token, every observation where the template puts it
+    assert [i for i, out in zip(e.ids, e.is_output) if out].count(chat.eot) == len(REPLIES)
+
+
+@pytest.mark.parametrize("name", ["phi3", "mistral"])
+def test_an_observation_is_tokenized_where_it_stands(name):
+    """With a SentencePiece-style tokenizer an observation tokenized as a text of its own starts
+    with "▁"; in the conversation it follows the end-of-turn token. Its ids are the rendering's."""
+    chat = loop.Chat(*family_tokenizer(name, sentencepiece=True))
+    for observation in OBSERVATIONS:
+        conversation = [{"role": "user", "content": "task"}, {"role": "assistant", "content": REPLIES[0]},
+                        {"role": "user", "content": observation}]
+        rendered, ids = chat.encode(chat.render(conversation)), chat.observation(observation)
+        assert rendered[-len(ids) - 1] == chat.eot and rendered[-len(ids):] == ids  # right after the reply
+
+
+def test_qwen3_episode_keeps_the_thinking_its_template_drops():
+    """Qwen3's template renders earlier replies without their <think> block: the episode keeps the
+    ids that were sampled (what the update scores), so it is the rendering plus the thinking."""
+    chat = loop.Chat(*family_tokenizer("qwen3"))
+    thinking = "<think>\nLook at the docs first.\n</think>\n\n"
+    e, rendered = _episode_and_rendering(chat, [thinking + r for r in REPLIES])
+    assert e.ids != rendered
+    think = chat.encode(thinking)
+    for _ in REPLIES:  # take each turn's thinking out of the episode: the rendering is left
+        at = next(i for i in range(len(e.ids)) if e.ids[i:i + len(think)] == think)
+        assert all(e.is_output[at:at + len(think)])
+        del e.ids[at:at + len(think)], e.is_output[at:at + len(think)]
+    assert e.ids == rendered
+
+
+def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answer():
+    """QwQ-32B's and DeepSeek-R1-Distill's generation prompts end in "<think>\n": the sampled reply
+    holds "</think>" but no "<think>". A reply cut off while reasoning runs none of its drafts; a
+    finished one runs the code after "</think>". Qwen3's prompt opens nothing."""
+    tok, eos = family_tokenizer("qwen3")
+    assert loop.Chat(tok, eos).reply_start == ""
+    tok.chat_template = FAMILIES["qwen3"]["template"].replace(
+        "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    chat = loop.Chat(tok, eos)
+    assert chat.reply_start == "<think>\n" and chat.render([{"role": "user", "content": "u"}]).endswith("<think>\n")
+    env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
+    e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
+    cut = "Draft:\n```python\napis.supervisor.complete_task(answer=0)"  # max_new_tokens reached
+    assert loop.act(e, chat.encode(cut, literal=True), 0, chat) == ""
+    assert e.transcript[-1]["content"] == "<think>\n" + cut  # the reply as the template renders it
+    done = "Look first.\n```python\nprint(0)\n```\n</think>\n\n```python\nprint(1)\n```"
+    assert loop.act(e, chat.encode(done, literal=True) + [chat.eot], 1, chat) == "print(1)"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3.0", "gemma2", "mistral"])
+def test_environment_text_that_spells_a_special_token_stays_text(name):
+    chat = loop.Chat(*family_tokenizer(name))
+    ids = chat.observation(f"printed {chat.eot_text} and {chat.tok.eos_token}, then more")
+    closing = chat.encode(chat.post)
+    assert chat.eot not in ids[:-len(closing)] and chat.tok.eos_token_id not in ids[:-len(closing)]
+    assert f"printed {chat.eot_text} and" in chat.tok.decode(ids)
+
+
+def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
+    tok, _ = family_tokenizer("qwen2.5")
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="a turn could never end"):
+        loop.Chat(tok)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template"):
+        loop.Chat(tok)
+
+
+# ---------------- 11-12. Checkpoints and the log: resume, kills at any moment, metrics, console, trackers
 def _train_rows(run, keys=("iteration",)):
     rows = loop.read_metrics(run / "metrics.jsonl")
     return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows if "split" not in r]
@@ -2775,7 +2463,7 @@ def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkey
     assert code == 2 and "pip install 'wandb<0.19'" in err and not (tmp_path / "run").exists()
 
 
-# ---------------- 10. Main: whole runs, a new environment, Ctrl-C, a wave too big, a failing rank
+# ---------------- 13. Main: whole runs, a new environment, Ctrl-C, a wave too big, a failing rank
 def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_printed(tmp_path, capsys):
     out = tmp_path / "run"
     loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
@@ -3026,6 +2714,318 @@ def test_an_error_on_one_fsdp_rank_ends_the_run_instead_of_hanging_it(tmp_path, 
                   "--iterations", "1", "--out", str(tmp_path / "run"), timeout=120)
     assert r.returncode != 0 and "CUDA out of memory (rank 1 only)" in r.stderr
     assert time.monotonic() - started < 120
+
+
+# ---------------- The environments beside loop.py: the tiny world (tiny_world.py), AppWorld (appworld_env.py)
+def test_extract_code():
+    assert loop.extract_code("hi\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "a = 1\nb = 2"
+    assert loop.extract_code("```python\nx = 3\nprint(x)") == "x = 3\nprint(x)"  # unterminated
+    assert loop.extract_code("no code here") == ""
+
+
+def test_only_the_code_after_a_reasoning_block_runs():
+    draft, answer = "```python\nsend(everyone)\n```", "```python\napis.supervisor.complete_task()\n```"
+    assert loop.extract_code(f"<think>first {draft}</think>\n{answer}") == "apis.supervisor.complete_task()"
+    assert loop.extract_code(f"plan {draft}</think>{answer}") == "apis.supervisor.complete_task()"  # opened in the prompt
+    assert loop.extract_code(f"<think>still thinking {draft}") == ""  # cut off before an answer
+
+
+def test_appworld_scripted_policy_right_and_wrong(appworld_root):
+    assert loop.AppWorldEnv.tasks("fixture") == list(AW_TASKS)
+    first = next(iter(AW_TASKS))  # a wrong solution on one task: each world costs seconds to start
+    envs = {(t, ok): _appworld(t, 60.0, f"pytest-{'right' if ok else 'wrong'}") for t in AW_TASKS
+            for ok in (True, False) if ok or t == first}
+    for (task, correct), env in envs.items():
+        prompt = env.messages()[1]["content"]
+        assert AW_TASKS[task]["instruction"] in prompt and "Joyce Weaver" in prompt and "2023-05-18" in prompt
+        message = f"Let me do it.\n```python\n{aw_solution(task, correct)}\n```"
+        output = env.step(loop.extract_code(message))
+        assert "Execution failed" not in output and env.done, output
+        assert env.evaluate() == ((4, 4) if correct else (2, 4))
+
+
+def test_appworld_rollouts_are_isolated_and_a_dead_or_hung_worker_fails_its_episode(appworld_root):
+    envs = [_appworld("5a0f1c2_1", 60.0, f"pytest-iso{k}") for k in range(3)]
+    for env in envs:
+        env.messages()
+    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
+    assert [env.step(count).strip() for env in envs] == ["1", "1", "1"]
+    envs[0].step(aw_solution("5a0f1c2_1", True))
+    assert [env.step(count).strip() for env in envs] == ["2", "1", "1"]  # K=3 worlds of one task, separate state
+    envs[1].worker.kill()
+    assert "failed" in envs[1].step("print(1)") and envs[1].done
+    os.kill(envs[2].worker.pid, signal.SIGSTOP)  # hung: alive, never answers
+    try:
+        started = time.monotonic()
+        assert envs[2].call(("step", "print(1)"), wait=1.0) is None  # step waits timeout + 5 s
+        assert time.monotonic() - started < 5 and envs[2].failed and envs[2].done
+        envs[2].worker.join(5)
+        assert not envs[2].worker.is_alive()  # killed, not left behind
+    finally:
+        envs[2].worker.kill()  # a stopped child would hang the exit
+    assert "failed" in envs[2].step("print(1)") and envs[2].evaluate() is None  # no reward at all
+    assert envs[1].evaluate() is None and envs[0].evaluate() == (4, 4)
+
+
+def test_an_appworld_worker_serves_the_next_task_in_a_fresh_world(appworld_root):
+    count = AW_LOGIN + 'print(len(apis.simple_note.search_notes(access_token=tok["simple_note"])))'
+    env = _appworld("5a0f1c2_1", 60.0, "pytest-reuse-a")
+    env.messages()
+    env.step(aw_solution("5a0f1c2_1", True))
+    assert env.step(count).strip() == "2" and env.evaluate() == (4, 4)
+    with open(f"/proc/{env.worker.pid}/stat") as fh:
+        parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+    assert parent != os.getpid()  # started by the forkserver, not forked from the trainer
+    again = _appworld("5a0f1c2_2", 60.0, "pytest-reuse-b")
+    assert AW_TASKS["5a0f1c2_2"]["instruction"] in again.messages()[1]["content"]  # its world starts
+    assert again.worker.pid == env.worker.pid  # the idle worker took the next task
+    assert again.step(count).strip() == "1"  # in a world of its own: the first one's note is not there
+    again.step(aw_solution("5a0f1c2_2", True))
+    assert again.evaluate() == (4, 4)
+
+
+def test_an_idle_worker_that_died_is_replaced_not_handed_out(appworld_root):
+    env = _appworld("5a0f1c2_1", 60.0, "pytest-idle-a")
+    env.messages()
+    env.step(aw_solution("5a0f1c2_1", True))
+    assert env.evaluate() == (4, 4) and loop.Hosted.idle[-1][0] is env.worker  # waits idle
+    env.worker.kill()  # dies while it waits
+    env.worker.join(5)
+    again = _appworld("5a0f1c2_1", 60.0, "pytest-idle-b")
+    assert AW_TASKS["5a0f1c2_1"]["instruction"] in again.messages()[1]["content"]
+    assert again.worker is not env.worker and again.worker.is_alive()
+    again.step(aw_solution("5a0f1c2_1", True))
+    assert again.evaluate() == (4, 4) and not again.failed
+    assert all(worker.is_alive() for worker, _ in loop.Hosted.idle)
+
+
+def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypatch):
+    """Two worlds of a wave take a worker at once while one is idle: one gets it, the other a new
+    one. Unlocked, both saw the pool non-empty and the second pop() failed (a pool whose length
+    takes a while makes the race certain)."""
+    class Worker:
+        def is_alive(self):
+            return True
+
+    class SlowPool(list):
+        def __len__(self):
+            n = super().__len__()
+            time.sleep(0.05)  # the other thread runs meanwhile
+            return n
+    monkeypatch.setattr(loop.Hosted, "idle", SlowPool([(Worker(), "idle")]))
+    monkeypatch.setattr(loop.Hosted, "start_worker", lambda self: (Worker(), "new"))
+    worlds = [loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in range(2)]
+    taken = loop.concurrently([world.take_worker for world in worlds])
+    assert sorted(conn for _, conn in taken) == ["idle", "new"]
+
+
+def test_missing_appworld_data_is_one_clear_message(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
+    code, err = _error(capsys, "--eval", "--env", "appworld", "--split", "test_normal", "--tiny")
+    assert code == 2 and "appworld download data" in err
+
+
+def test_a_flood_of_output_comes_back_cut_within_a_second(tiny, appworld_root):
+    import dataclasses
+    cfg, _, chat = tiny
+    cfg = dataclasses.replace(cfg, env="appworld", max_obs_tokens=3000, max_context=32768)
+    env = _appworld("5a0f1c2_1", 30.0, "pytest-flood")
+    e = loop.start_wave([(env, "5a0f1c2_1")], chat, cfg)[0]
+    env.step("1")  # the world is up and its REPL has run once
+    start = time.monotonic()
+    code = loop.act(e, chat.encode("```python\nprint('x' * 2_000_000)\n```") + [chat.eot], 0, chat)
+    loop.observe(e, env.step(code), False, chat, cfg)
+    assert time.monotonic() - start < 1.0
+    observation = e.transcript[-1]["content"]
+    assert observation.endswith(" characters, showing the first 3000 tokens]")  # 2,000,000 x and a newline
+    assert "\n[output truncated: 2000001 characters" in observation
+    assert 3000 <= len(observation) < 4000
+    env.evaluate()
+
+
+def _run(task, *codes):
+    w = tiny_world.TinyWorld(task, timeout=0.5)
+    obs = [w.step(c) for c in codes]
+    return w, obs, w.evaluate()
+
+
+def _docs(w, app):
+    return w.step(f'print(apis.api_docs.show(app="{app}"))')
+
+
+def test_tiny_world_order_needs_the_api_name_from_the_docs():
+    w = tiny_world.TinyWorld("order04_2")
+    buy = w.api["shop"]
+    assert _docs(w, "shop") == f"apis.shop.{buy}(item): orders an item"
+    good = f"apis.shop.{buy}(item=apis.supervisor.wishlist()[0])"
+    assert _run("order04_2", good, "apis.supervisor.complete_task()")[2] == (3, 3)
+    assert _run("order04_2", good)[2] == (2, 3)  # not completed
+    assert _run("order04_2", good.replace("[0]", "[-1]"), "apis.supervisor.complete_task()")[2] == (2, 3)
+    wrong = next(a for a in tiny_world.TASK_VALUES["words"] if a != buy)
+    world, obs, result = _run("order04_2", good.replace(buy, wrong))
+    assert obs[0] == f"Execution failed. AttributeError: shop has no API named '{wrong}'"
+    assert result == (0, 3) and not world.orders
+
+
+def test_tiny_world_payback_pays_the_last_payment():
+    w = tiny_world.TinyWorld("payback05_3")
+    (last, amount), (other, other_amount) = w.payments
+    assert _docs(w, "bank") == f"apis.bank.{w.api['bank']}(name, amount): sends money"
+    assert w.step("print(apis.supervisor.payments())") == str(
+        [{"name": last, "amount": amount}, {"name": other, "amount": other_amount}])
+    send = f'apis.bank.{w.api["bank"]}(name="{{}}", amount={{}})\napis.supervisor.complete_task()'
+    assert _run("payback05_3", send.format(last, amount))[2] == (4, 4)
+    assert _run("payback05_3", send.format(other, other_amount))[2] == (2, 4)
+    assert _run("payback05_3", send.format(last, other_amount))[2] == (3, 4)
+    assert _run("payback05_3", send.format(last, amount), send.format(last, amount))[2] == (1, 4)  # paid twice
+    assert "no contact" in _run("payback05_3", send.format("nobody", 1))[1][0]
+
+
+def test_tiny_world_phone_of_the_last_payer():
+    w = tiny_world.TinyWorld("phone07_1")
+    last, other = w.payments[0][0], w.payments[1][0]
+    lookup = f"apis.contacts.{w.api['contacts']}"
+    world, obs, result = _run("phone07_1", f'print({lookup}(name="{last}"))', "")
+    assert obs[0] == str(world.phones[last]) and result == (0, 3)
+    world, obs, result = _run("phone07_1", f'x = {lookup}(name="{last}")', "apis.supervisor.complete_task(answer=x)")
+    assert result == (3, 3) and obs[1] == "Execution successful." and world.done  # REPL state persists
+    assert _run("phone07_1", f'apis.supervisor.complete_task(answer={lookup}(name="{other}"))')[2] == (2, 3)
+    assert _run("phone07_1", f'apis.supervisor.complete_task(answer="{w.phones[last]}")')[2] == (1, 3)  # a str
+
+
+def test_tiny_world_no_fixed_api_guess_solves_more_than_a_few_tasks():
+    """Each world names its APIs anew, so only the docs tell which to call."""
+    tasks = tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test")
+    for app in tiny_world.TinyWorld.APPS.values():
+        names = collections.Counter(tiny_world.TinyWorld(t).api[app] for t in tasks)
+        assert max(names.values()) <= 6, names.most_common(3)  # of 108 tasks
+    for t in tasks:  # and never a name that is also a person or an item of that world
+        w = tiny_world.TinyWorld(t)
+        assert len(set(w.api.values()) | set(w.phones) | set(w.wishlist)) == 10
+
+
+def test_a_name_is_the_same_tokens_in_the_docs_and_in_code(tiny):
+    """The tiny tokenizer keeps a dot with the name after it, so the API name that follows
+    `.shop` in the docs is the one that follows it in the call: a one-token lookup."""
+    _, _, chat = tiny
+    w = tiny_world.TinyWorld("order00_1")
+    docs = chat.tok.tokenize(w.docs("shop"))
+    code = chat.tok.tokenize(make_tiny_model.action(w, w.api["shop"], 0))
+    name = chat.tok.tokenize("." + w.api["shop"])
+    assert docs[:2 + len(name)] == code[:2 + len(name)] == ["apis", ".shop"] + name
+    assert all(len(chat.tok.tokenize(word)) > 1 for word in tiny_world.WORDS)  # no name is one token
+
+
+def test_agent_code_failures_become_observations():
+    t = time.monotonic()
+    w, obs, result = _run("payback01_1", "1/0", "def f(:\n  pass", "while True:\n    pass",
+                          "while True: print('x' * 1000)", "open('/etc/passwd')", "import os",
+                          f'apis.bank.{tiny_world.TinyWorld("payback01_1").api["bank"]}(name="nobody", amount=1)')
+    assert time.monotonic() - t < 5
+    assert "ZeroDivisionError" in obs[0]
+    assert "SyntaxError" in obs[1]
+    assert "longer than" in obs[2]
+    assert "output exceeded" in obs[3]
+    assert "NameError" in obs[4] and "failed" in obs[5]
+    assert "KeyError" in obs[6]
+    assert result == (0, 4) and not w.done
+
+
+UNSTOPPABLE = {"a bare except around an endless loop": "while True:\n    try:\n        while True:\n            pass\n"
+                                                        "    except:\n        pass",
+               "a long C call": "sum(range(10**12))",
+               "a recursion that swallows every exception": "def f():\n    try:\n        f()\n    except:\n"
+                                                            "        f()\nf()"}
+
+
+def test_agent_code_that_cannot_be_stopped_from_inside_fails_its_world_in_time_and_the_run_goes_on(tiny, monkeypatch):
+    """Agent code that the world's own time limit (1 s) cannot stop: the tracer's deadline fires once and
+    a bare except swallows it; a C call makes no line events; so it runs in a worker process, killed at
+    the time limit + Hosted.MARGIN. Its episode fails (no reward), the others of the turn answer, and
+    the next rollout plays in fresh workers. Before, the first of these hung the run for good."""
+    cfg = dataclasses.replace(tiny[0], batch_episodes=8)
+    codes = [*UNSTOPPABLE.values(), "print(apis.supervisor.wishlist())"]
+    monkeypatch.setattr(loop, "generate", _scripted_turns(lambda turn: codes))
+    worlds = [loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in codes]
+    started = time.monotonic()
+    episodes = loop.rollout(tiny[1], tiny[2], worlds, ["order00_1"] * len(codes), cfg, 1.0, 1)
+    seconds = time.monotonic() - started
+    assert seconds < 1.0 + loop.Hosted.MARGIN + 3, seconds
+    assert [e.failed for e in episodes] == [True, True, True, False]
+    assert all(e.transcript[-1]["content"].startswith("Environment failed") for e in episodes[:3])
+    assert episodes[3].transcript[-1]["content"] == str(loop.TinyWorld("order00_1").wishlist)
+    for world in worlds[:3]:
+        world.worker.join(5)
+        assert not world.worker.is_alive()  # killed, not left running
+    monkeypatch.setattr(loop, "generate", scripted_policy(tiny_solution))
+    again = [loop.Hosted(loop.TinyWorld, task, 1.0, "pytest") for task in ("order00_1", "phone00_1")]
+    assert [e.success for e in loop.rollout(tiny[1], tiny[2], again, ["order00_1", "phone00_1"], cfg, 1.0, 3)] == [True] * 2
+
+
+FIRST_ANSWERS = """
+import sys, time
+sys.path.insert(0, {here!r})
+import loop
+
+if __name__ == "__main__":
+    for _ in range(5):
+        world = loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest")
+        started = time.monotonic()
+        world.messages()
+        print(time.monotonic() - started, flush=True)
+"""
+
+
+def test_a_new_worker_answers_without_importing_torch_again(tmp_path):
+    """A worker runs the main script again as it starts (Python 3.11's forkserver does not preload
+    __main__), whose imports the forkserver has made for it: after the first world (which starts the
+    forkserver) one answers in about 0.05 s here. Before, every worker imported torch itself, about
+    1 s each, and in a --tiny run, 72 at a time; run from a directory without loop.py beside it."""
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_ANSWERS.format(here=HERE))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, *later = map(float, r.stdout.split())
+    assert sorted(later)[len(later) // 2] < 0.4, (first, later)
+
+
+def test_what_the_agent_sees_does_not_depend_on_how_the_world_was_launched(monkeypatch):
+    """A world's module is __main__ when run as a script (a forker's own world), its name when
+    imported. The same erring code gives the same observation both ways: CPython names a callee
+    with its module in */** argument errors (it read `__main__.run_code.<locals>.limited_print()`
+    vs `loop.run_...`), so print and the APIs read as the agent calls them."""
+    import importlib.util
+    # as `python tiny_world.py` would, under a name that is not its own
+    spec = importlib.util.spec_from_file_location("launched", tiny_world.__file__)
+    launched = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "launched", launched)
+    spec.loader.exec_module(launched)
+    bank = tiny_world.TinyWorld("payback01_1").api["bank"]
+    codes = ['print(**apis.api_docs.show(app="bank"))', "print(*1)", f"apis.bank.{bank}(**[1])",
+             "apis.api_docs.show(*5)", 'apis.api_docs.show(app_name="bank")', f"apis.bank.{bank}(1)",
+             "apis.supervisor.complete_task(**'x')", "apis.supervisor.payments(1, 2)",
+             "print(apis, apis.shop, apis.supervisor.wishlist, print)", "apis()"]
+    seen = {name: [module.TinyWorld("payback01_1").step(code) for code in codes]
+            for name, module in (("import", tiny_world), ("script", launched))}
+    assert seen["import"] == seen["script"]
+    assert seen["import"][:3] == ["Execution failed. TypeError: print() argument after ** must be a mapping, not str",
+                                  "Execution failed. TypeError: print() argument after * must be an iterable, not int",
+                                  f"Execution failed. TypeError: apis.bank.{bank}() argument after ** must be a "
+                                  "mapping, not list"]
+    assert not any(word in text for text in seen["import"] for word in ("tiny_world", "launched", "<locals>", "TinyWorld"))
+    # an object's memory address changes from process to process: a run would not repeat itself
+    assert seen["import"][-2:] == ["<app apis> <app shop> <function apis.supervisor.wishlist> <function print>",
+                                   "Execution failed. TypeError: 'App' object is not callable"]
+
+
+def test_splits_are_scenarios_of_three_and_disjoint():
+    train, test = tiny_world.TinyWorld.tasks("train"), tiny_world.TinyWorld.tasks("test")
+    assert not set(train) & set(test)
+    scenarios = {}
+    for t in train + test:
+        scenarios.setdefault(t.split("_")[0], []).append(t)
+    assert all(len(v) == 3 for v in scenarios.values())
+    assert not {t.split("_")[0] for t in train} & {t.split("_")[0] for t in test}
 
 
 # ---------------- tools/: make_tiny_model.py, play.py, ablation.py, plot.py
