@@ -260,8 +260,8 @@ def start_forkserver():
 class Hosted:
     """A world of `env` in a worker process, with the interface's methods. Every call has a
     deadline: a world that dies or does not answer in time is killed and fails its episode (an
-    infrastructure failure: no reward, not even 0). The world starts with its episode's wave (messages()) and its
-    worker waits idle after the evaluation, for a world of the next wave."""
+    infrastructure failure: no reward, not even 0). The world starts with its episode's wave
+    (messages()) and its worker waits idle after the evaluation, for a world of the next wave."""
 
     WORLD_TIMEOUT = 300  # seconds a world may take to start or to be evaluated (AppWorld: ~4, ~0.1)
     MARGIN = 5  # seconds a step may take beyond the agent's time limit before its world is killed
@@ -284,10 +284,10 @@ class Hosted:
 
     def start_worker(self):
         """From the forkserver, a clean process (a fork of the trainer would inherit CUDA state,
-        NCCL threads and other threads' locks) that has imported, once for every worker it forks, loop
-        and what it imports (torch: a worker runs the main script again as it starts, as Python
-        3.11's forkserver does not preload __main__, and finds them imported), the environment's
-        module and what that names (AppWorld: its 12 apps)."""
+        NCCL threads and other threads' locks) that has imported, once for every worker it forks,
+        loop and what it imports (torch: a worker runs the main script again as it starts, as
+        Python 3.11's forkserver does not preload __main__, and finds them imported), the
+        environment's module and what that names (AppWorld: its 12 apps)."""
         ctx = multiprocessing.get_context("forkserver")
         with Hosted.idle_lock:  # the first world's thread starts the forkserver for all
             if not Hosted.forkserver_started:
