@@ -297,10 +297,10 @@ class WaveCache:
         episode's tokens (a sliding window counts columns): each row keeps its first tokens,
         padded in front, and is fed as many ids as the widest new segment. Gone: ended episodes,
         padding, post-stop tokens, columns of others' synced passes."""
-        rows = [self.episodes.index(e) for e in live] if self.mask is not None else []
-        self.episodes = live
+        cached, self.episodes = self.episodes, live
         if self.mask is None:  # nothing cached yet
             return
+        rows = [cached.index(e) for e in live]
         lengths = [len(e.ids) for e in live]
         index = torch.tensor(rows, device=self.mask.device)
         widest = max(n - self.fed[i] for i, n in zip(rows, lengths))

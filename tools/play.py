@@ -84,10 +84,11 @@ def main(argv):
     cfg = loop.parse_config(settings)
     env = loop.environment(cfg.env)
     try:
-        known = env.tasks(cfg.split) + env.tasks(cfg.train_split)
+        split_tasks = env.tasks(cfg.split)
+        known = split_tasks + env.tasks(cfg.train_split)
     except ValueError as e:
         loop.die(str(e))
-    task_ids = args.task or env.tasks(cfg.split)
+    task_ids = args.task or split_tasks
     unknown = [task for task in task_ids if task not in known]
     if unknown:
         loop.die(f"no task {unknown[0]!r} in the {cfg.split} or {cfg.train_split} split")
