@@ -364,7 +364,7 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     model.eval()
     pairs = list(zip(envs, task_ids))
     waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
-    episodes, wave = [], []
+    episodes, wave, cache, turn = [], [], WaveCache(), 0  # (a rank with no task plays dummies)
     bar = tqdm(desc=desc, leave=False, disable=True if RANK else None)
     try:
         with layers_gathered(model, cfg.rollout_full_weights):
@@ -658,7 +658,7 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
             for i, task in enumerate(task_ids)]
     episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
-    valid = torch.tensor([not e.failed for e in episodes]).view(len(tasks), k)
+    valid = torch.tensor([not e.failed for e in episodes], dtype=torch.bool).view(len(tasks), k)
     advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
     stats = update(model, opt, episodes, advantages, cfg)
     sums = collections.Counter(reward=(rewards * valid).sum().item())  # this rank's, then all

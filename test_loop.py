@@ -72,9 +72,23 @@ def episodes(tiny):
     return eps, calls
 
 
+def _run_command(command, timeout=600, **kwargs):
+    """subprocess.run with the output captured as text; a command that outlives its timeout is
+    killed with its whole process group (torchrun's ranks, a run's world workers): a run that hung
+    leaves nothing behind on the machine."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _cli(*args, cwd=HERE, env=None, timeout=600):
-    return subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
+    return _run_command([sys.executable, os.path.join(HERE, "loop.py"), *args], cwd=cwd, env=env, timeout=timeout)
 
 
 def _error(capsys, *argv):
@@ -91,12 +105,12 @@ def _error(capsys, *argv):
 HARNESS = [sys.executable, "-c", "import sys, test_loop; test_loop._harness(sys.argv[1:])"]
 
 
-def _torchrun(*args, timeout=600):
+def _torchrun(*args, timeout=600, cwd=HERE):
     """loop.py, or with "test_loop.py" first a worker of _harness, on 2 gloo ranks."""
-    script = ["--no-python", *HARNESS] if args[0] == "test_loop.py" else [args[0]]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29500 + os.getpid() % 1000), *script, *args[1:]],
-                          capture_output=True, text=True, cwd=HERE, timeout=timeout)
+    script = ["--no-python", *HARNESS] if args[0] == "test_loop.py" else [os.path.join(HERE, args[0])]
+    return _run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                         "--master_port", str(29500 + os.getpid() % 1000), *script, *args[1:]],
+                        cwd=cwd, timeout=timeout, env=dict(os.environ, PYTHONPATH=HERE))
 
 
 def _sigint_as_by_default():
@@ -277,22 +291,20 @@ def test_settings_parse_without_the_source_file(tmp_path):
     import py_compile
     reference = _cli("--help").stdout
     assert "K: rollouts per task" in reference
-    profiled = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p"), os.path.join(HERE, "loop.py"),
-                               "--help"],
-                              capture_output=True, text=True, timeout=600)
+    profiled = _run_command([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p"),
+                             os.path.join(HERE, "loop.py"), "--help"])
     assert profiled.returncode == 0 and profiled.stdout == reference
     shutil.copytree(os.path.join(HERE, "assets"), tmp_path / "assets")
     shutil.copy(os.path.join(HERE, "tiny_config.json"), tmp_path)
     for sibling in ("tiny_world.py", "chat.py", "appworld_env.py"):  # the modules beside it
         shutil.copy(os.path.join(HERE, sibling), tmp_path)
     py_compile.compile(os.path.join(HERE, "loop.py"), cfile=str(tmp_path / "loop.pyc"), doraise=True)
-    compiled = subprocess.run([sys.executable, str(tmp_path / "loop.pyc"), "--help"], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=600)
+    compiled = _run_command([sys.executable, str(tmp_path / "loop.pyc"), "--help"], cwd=tmp_path)
     words = compiled.stdout.replace("loop.pyc", "loop.py").split()  # the usage lines wrap one column later
     assert compiled.returncode == 0 and words == reference.split()
-    run = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "profile"), os.path.join(HERE, "loop.py"),
-                          "--tiny", "--iterations", "1", "--tasks-per-iteration", "2", "--eval-every", "1",
-                          "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    run = _run_command([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "profile"), os.path.join(HERE, "loop.py"),
+                        "--tiny", "--iterations", "1", "--tasks-per-iteration", "2", "--eval-every", "1",
+                        "--out", str(tmp_path / "run")])
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 1] and (tmp_path / "profile").stat().st_size > 0
@@ -1611,7 +1623,7 @@ def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, mo
     assert row["reward_mean"] == pytest.approx((1 + 2 / 4 + 1) / 3)
     appworld_cli = os.path.join(os.path.dirname(sys.executable), "appworld")
     r = subprocess.run([appworld_cli, "evaluate", row["appworld_experiment"], "fixture", "--root", appworld_root],
-                       capture_output=True, text=True, timeout=300)
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     path = os.path.join(appworld_root, "experiments", "outputs", row["appworld_experiment"], "evaluations", "fixture.json")
     with open(path) as fh:
@@ -1686,7 +1698,7 @@ def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
     (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
     env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
     code = "import loop; m, t = loop.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=env, timeout=120)
+    r = _run_command([sys.executable, "-c", code], cwd=HERE, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.split()[-1] == "598", r.stderr[-1000:]
     assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
 
@@ -2240,8 +2252,8 @@ def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbro
     else:
         where, left = f"event:{random.Random(int(moment[-1])).randint(1, events)}", None
     run = tmp_path / "run"
-    r = subprocess.run([*HARNESS, "kill_at", where, *KILL_RUN,
-                        "--out", str(run)], capture_output=True, text=True, cwd=HERE, timeout=300)
+    r = _run_command([*HARNESS, "kill_at", where, *KILL_RUN,
+                      "--out", str(run)], cwd=HERE, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     folders = {p.name for p in run.iterdir() if p.is_dir() and p.name != "transcripts"}
     assert left is None or folders == left, (where, folders)
@@ -2371,8 +2383,8 @@ def test_trackers_hold_each_iteration_once_after_a_resume(tmp_path):
     file held train/reward_mean at step 2 twice)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run = tmp_path / "run"
-    r = subprocess.run([*HARNESS, "kill_at", "save_checkpoint:2", *KILL_RUN,
-                        "--track", "tensorboard", "--out", str(run)], capture_output=True, text=True, cwd=HERE, timeout=300)
+    r = _run_command([*HARNESS, "kill_at", "save_checkpoint:2", *KILL_RUN,
+                      "--track", "tensorboard", "--out", str(run)], cwd=HERE, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     loop.main(["--resume", str(run)])
     events = EventAccumulator(str(run / "tensorboard"))
@@ -2547,19 +2559,19 @@ def test_a_new_environment_with_only_the_required_members_trains_as_module_colon
     (tmp_path / "my_world.py").write_text(REGISTER_SUM_WORLD)
     small = ["--tiny", "--tasks-per-iteration", "4", "--rollouts-per-task", "3", "--max-turns", "2",
              "--eval-max-turns", "2"]
-    r = subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), *small, "--env", "sum_world:SumWorld",
-                        "--iterations", "1", "--out", "run"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = _run_command([sys.executable, os.path.join(HERE, "loop.py"), *small, "--env", "sum_world:SumWorld",
+                      "--iterations", "1", "--out", "run"], timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     train, final = [r for r in loop.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
     assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
     assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
     assert "python tools/play.py --env sum_world:SumWorld --model run/model --task sum0_1" in r.stderr
-    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "play.py"), "--env", "sum_world:SumWorld",
-                        "--model", "run/model", "--task", "sum0_1"], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path)  # the tools take the world by the same name, from the same directory
+    r = _run_command([sys.executable, os.path.join(HERE, "tools", "play.py"), "--env", "sum_world:SumWorld",
+                      "--model", "run/model", "--task", "sum0_1"], timeout=300,
+                     cwd=tmp_path)  # the tools take the world by the same name, from the same directory
     assert r.returncode == 0 and "=== sum0_1: " in r.stdout and "reward " in r.stdout, r.stderr[-2000:]
-    r = subprocess.run([sys.executable, "my_world.py", *small, "--env", "sum", "--iterations", "0", "--out", "reg"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE})
+    r = _run_command([sys.executable, "my_world.py", *small, "--env", "sum", "--iterations", "0", "--out", "reg"],
+                     timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE})
     assert r.returncode == 0, r.stderr[-2000:]
     assert [row["tasks"] for row in loop.read_metrics(tmp_path / "reg" / "metrics.jsonl")] == [4]
 
@@ -2625,7 +2637,7 @@ def test_ctrl_c_while_a_progress_bar_is_built_prints_no_traceback(tmp_path):
     the one line (the --tiny run above meets this moment: iteration 0 logged, the bar built next)."""
     script = tmp_path / "cut.py"
     script.write_text(CUT_SHORT_BAR.format(here=HERE, run=str(tmp_path / "run")))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    r = _run_command([sys.executable, str(script)], timeout=300)
     assert r.returncode == 130 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("interrupted: continue with `python cut.py --resume")
 
@@ -2714,6 +2726,49 @@ def test_an_error_on_one_fsdp_rank_ends_the_run_instead_of_hanging_it(tmp_path, 
                   "--iterations", "1", "--out", str(tmp_path / "run"), timeout=120)
     assert r.returncode != 0 and "CUDA out of memory (rank 1 only)" in r.stderr
     assert time.monotonic() - started < 120
+
+
+ONE_TASK_WORLD = """
+import tiny_world
+
+
+class OneTaskWorld(tiny_world.TinyWorld):
+    \"\"\"The tiny world with a test split of one task.\"\"\"
+
+    @staticmethod
+    def tasks(split):
+        return ["order00_1"] if split == "test" else tiny_world.TinyWorld.tasks(split)
+"""
+
+
+def test_a_rank_with_no_task_joins_the_others_and_the_run_finishes(tmp_path):
+    """2 FSDP ranks, one task an iteration (its K rollouts all on rank 0) and a test split of one
+    task: rank 1 plays no episode, in training and in every evaluation, yet joins every collective
+    (generation's synced passes, the update's empty passes). Before, it died with UnboundLocalError
+    in rollout, and then on a float `valid` in loo_advantages."""
+    (tmp_path / "one_task_world.py").write_text(ONE_TASK_WORLD)
+    r = _torchrun("loop.py", *quick(), "--fsdp", "--env", "one_task_world:OneTaskWorld", "--tasks-per-iteration", "1",
+                  "--iterations", "1", "--out", "run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = loop.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(row["iteration"], row.get("per_task")) for row in rows] == [
+        (0, {"order00_1": False}), (1, None), (1, {"order00_1": False})]
+    assert rows[1]["turns_mean"] >= 1 and rows[1]["env_failures"] == 0  # rank 0's 4 rollouts played
+
+
+def test_a_command_that_hangs_is_killed_with_its_whole_process_group(tmp_path):
+    """A test's command that outlives its timeout (a hung run: torchrun and its ranks, a trainer and
+    its worlds' workers) is killed with every process it started: none is left on the machine."""
+    parent = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(300)']); open({str(tmp_path / 'pid')!r}, 'w').write(str(child.pid)); time.sleep(300)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run_command([sys.executable, "-c", parent], timeout=3)
+    child = int((tmp_path / "pid").read_text())
+    try:
+        time.sleep(0.2)
+        assert _gone(child)
+    finally:
+        _gone(child) or os.kill(child, signal.SIGKILL)
 
 
 # ---------------- The environments beside loop.py: the tiny world (tiny_world.py), AppWorld (appworld_env.py)
@@ -2983,7 +3038,7 @@ def test_a_new_worker_answers_without_importing_torch_again(tmp_path):
     1 s each, and in a --tiny run, 72 at a time; run from a directory without loop.py beside it."""
     script = tmp_path / "first.py"
     script.write_text(FIRST_ANSWERS.format(here=HERE))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    r = _run_command([sys.executable, str(script)], cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     first, *later = map(float, r.stdout.split())
     assert sorted(later)[len(later) // 2] < 0.4, (first, later)
