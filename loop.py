@@ -45,19 +45,22 @@ from tiny_world import Hosted, TinyWorld
 
 
 # 1. Settings: each field of Config is a flag with its help line; the world --env names
-def setting(default, doc):
-    """A field with its one-line help kept at run time (--help needs no source file)."""
-    return dataclasses.field(default=default, metadata={"doc": doc})
+def setting(default, doc, at_least=None, at_most=None, choices=None):
+    """A field with its one-line help and its rule, kept at run time (--help needs no source file).
+    A number is finite, and > 0 unless at_least says otherwise."""
+    rule = {"at_least": at_least, "at_most": at_most, "choices": choices}
+    return dataclasses.field(default=default, metadata={"doc": doc, **rule})
 
 @dataclasses.dataclass
 class Config:
     # the run
     env: str = setting("appworld", "appworld, tiny (AppWorld in miniature), or your module:Class.")
     model: str = setting("Qwen/Qwen2.5-32B-Instruct", "Hugging Face model id or local directory.")
-    seed: int = setting(0, "Seed for Python, torch and task sampling.")
+    seed: int = setting(0, "Seed for Python, torch and task sampling.", at_least=0, at_most=2**32 - 1)
     out: str = setting("", "Run directory of metrics, transcripts, weights (default runs/<time>).")
     resume: str = setting("", "Run directory to continue from its last complete checkpoint.")
-    iterations: int = setting(200, "Training iterations (reference code: 200); 0: evaluate only.")
+    iterations: int = setting(200, "Training iterations (reference code: 200); 0: evaluate only.",
+                              at_least=0)
     train_split: str = setting("train", "Split the training tasks come from.")
     split: str = setting("test", "Split that evaluation reports TGC/SGC on.")
     eval: bool = setting(False, "Only evaluate `split`, no training.")
@@ -65,16 +68,19 @@ class Config:
     track: str = setting("", "Also log metrics to tensorboard, wandb, or both (tensorboard,wandb).")
     # the paper's hyper-parameters
     tasks_per_iteration: int = setting(40, "N: tasks sampled per iteration (paper: 40).")
-    rollouts_per_task: int = setting(6, "K: rollouts per task, the leave-one-out group (paper: 6).")
+    rollouts_per_task: int = setting(6, "K: rollouts per task, the leave-one-out group (paper: 6).",
+                                     at_least=2)
     lr: float = setting(5e-5, "AdamW learning rate, constant (paper: 5e-5).")
-    weight_decay: float = setting(0.01, "AdamW weight decay (reference code: 0.01).")
+    weight_decay: float = setting(0.01, "AdamW weight decay (reference code: 0.01).", at_least=0)
     grad_clip: float = setting(1.0, "Gradient-norm clip (paper: 1.0; reference code: 0.1).")
     epochs: int = setting(2, "Passes over an iteration's rollouts (paper: 2).")
     minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32).")
     clip_eps: float = setting(0.1, "Ratio clip [1/(1+eps), 1+eps] (paper: [1-eps, 1+eps]).")
-    ratio: str = setting("token", "Importance ratio: token (Eq. 5), turn, trajectory, none (RLOO).")
+    ratio: str = setting("token", "Importance ratio: token (Eq. 5), turn, trajectory, none (RLOO).",
+                         choices=["token", "turn", "trajectory", "none"])
     normalize_rewards: bool = setting(False, "Divide each A by its group's std (RwNorm, not LOOP).")
-    min_abs_advantage: float = setting(0.01, "Rollouts with |A| below this are dropped: no signal.")
+    min_abs_advantage: float = setting(0.01, "Rollouts with |A| below this are dropped: no signal.",
+                                       at_least=0)
     max_kl: float = setting(20.0, "Abandon an iteration at a minibatch whose |KL| is above this.")
     # rollouts
     max_turns: int = setting(40, "Turns per training episode (paper: 40).")
@@ -82,9 +88,11 @@ class Config:
     max_new_tokens: int = setting(1500, "Tokens the policy may sample per turn (paper: 1500).")
     max_context: int = setting(32768, "Tokens an episode may hold: it ends at this cap.")
     max_obs_tokens: int = setting(3000, "Observations are cut at this many tokens, with a note.")
-    code_timeout: float = setting(30.0, "Seconds the agent's code may run per turn.")
+    code_timeout: float = setting(30.0, "Seconds the agent's code may run per turn (at most a day).",
+                                  at_most=86400)
     temperature: float = setting(1.0, "Temperature of training rollouts, and of their scoring.")
-    eval_temperature: float = setting(0.0, "Sampling temperature for evaluation (0 = greedy).")
+    eval_temperature: float = setting(0.0, "Sampling temperature for evaluation (0 = greedy).",
+                                      at_least=0)
     batch_episodes: int = setting(6, "Episodes played at once per rank (32B: 8.6 GB of KV each).")
     # systems: memory and GPUs
     micro_batch_size: int = setting(4, "Rollouts per forward/backward pass; gradients accumulate.")
@@ -97,9 +105,7 @@ class Config:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(HERE, "tiny_config.json")
-AT_LEAST = {"iterations": 0, "rollouts_per_task": 2, "weight_decay": 0, "min_abs_advantage": 0,
-            "eval_temperature": 0}  # the other numbers but seed must be > 0
-RATIOS = ["token", "turn", "trajectory", "none"]  # --ratio: LOOP, and the paper's variants
+RATIOS = Config.__dataclass_fields__["ratio"].metadata["choices"]  # LOOP, and the paper's variants
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb<0.19"}  # what to pip install
 RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by start_distributed
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
@@ -128,18 +134,36 @@ def settings_parser(shown, where=""):
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,  # --iteration: no
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      add_help=False)  # --help is read after --tiny and --config
-    parser.error = lambda message: die(f"{message}{where} (see --help)")  # no usage lines
+    parser.error = lambda message: die(f"{where}{message} (see --help)")  # no usage lines
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit "
-                        "(after --tiny, --config or --resume: with the values that run uses)")
+                        "(with the values the run would use: --tiny's, --config's, the flags')")
     parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
     parser.add_argument("--tiny", action="store_true", help="the settings of tiny_config.json")
     for f in dataclasses.fields(Config):
-        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
-        kind.update({"choices": RATIOS} if f.name == "ratio" else {})
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": checked(f)}
         value = shown[f.name]
-        parser.add_argument(flag(f.name), **kind, help=f.metadata["doc"] + (
-            f" (default: {value})" if value != "" else ""))
+        parser.add_argument(flag(f.name), **kind, choices=f.metadata["choices"],
+                            help=f.metadata["doc"] + (f" (default: {value})" if value != "" else ""))
     return parser
+
+def checked(f):
+    """The type of a setting's flag: its text as the field's type, within the field's rule."""
+    def convert(text):
+        value = f.type(text)  # a ValueError is argparse's "invalid int value: 'x'"
+        low, high = f.metadata["at_least"], f.metadata["at_most"]
+        if f.type in (int, float) and low is None and not value > 0:
+            raise argparse.ArgumentTypeError(f"must be {'>= 1' if f.type is int else '> 0'}, "
+                                             f"got {text}")
+        if low is not None and not value >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if high is not None and not value <= high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {text}")
+        if f.type is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+        return value
+
+    convert.__name__ = f.type.__name__
+    return convert
 
 def parse_config(argv):
     """Defaults <- tiny_config.json (--tiny) <- --config FILE (or the resumed run's) <- flags.
@@ -155,18 +179,14 @@ def parse_config(argv):
     files = [TINY_CONFIG] * args.tiny + [args.config] * bool(args.config)
     if args.resume:
         files = [os.path.join(args.resume, "config.json")]
-    flags = []
-    for path in files:
-        flags += read_settings(path)
-        saved = settings_parser(defaults, f" in {path}").parse_args(flags)
+    flags = [text for path in files for text in read_settings(path, defaults)]
+    given = vars(parser.parse_args(flags + argv))  # the flags given come last: they win
     if args.help:
-        layered = vars(parser.parse_args(flags))
-        shown = {k: v if layered[k] is None else layered[k] for k, v in defaults.items()}
+        shown = {k: v if given[k] is None else given[k] for k, v in defaults.items()}
         settings_parser(shown).print_help()
         sys.exit(0)
     if args.resume:
-        check_resume(args, saved)
-    given = vars(parser.parse_args(flags + argv))  # the flags given come last: they win
+        check_resume(args, parser.parse_args(flags))
     cfg = Config(**{k: given[k] for k in Config.__annotations__ if given[k] is not None})
     check_config(cfg)
     return cfg
@@ -186,44 +206,42 @@ def check_resume(args, saved):
         die(f"--eval does not resume a run: evaluate its model with --eval --model "
             f"{os.path.join(args.resume, 'model')}")
 
-def read_settings(path):
-    """A JSON object of settings as flags; a model directory is found beside the file."""
+def read_settings(path, defaults):
+    """A JSON object of settings as flags, each checked here, so that its mistake names the file
+    and the key as written; a model directory is found beside the file."""
     try:
         values = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         die(f"cannot read config {path}: {e}")
     if not isinstance(values, dict):
         die(f"config {path} must hold one JSON object of settings")
-    if values.get("resume") == "":  # what a run's config.json held before 2026-12-05
-        del values["resume"]
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), str(values.get("model", "")))
+    if "model" in values and os.path.isdir(beside):  # tiny_config.json's assets/tiny-model
+        values["model"] = os.path.normpath(beside)
+    flags = []
     for key, value in values.items():
         if key not in Config.__annotations__ or key == "resume":  # (--tiny, --config: flags)
             die(f"{key!r} in {path} is not a setting of a run (see --help)")
         if value is None:
             die(f"{key!r} in {path} is null: give it a value, or leave it out for the default")
-    beside = os.path.join(os.path.dirname(os.path.abspath(path)), str(values.get("model", "")))
-    if "model" in values and os.path.isdir(beside):  # tiny_config.json's assets/tiny-model
-        values["model"] = os.path.normpath(beside)
-    # a bool is a switch (--lora, --no-lora); any other value is the text of a flag's argument
-    return [(flag(k) if v else flag("no_" + k)) if isinstance(v, bool) else f"{flag(k)}={v}"
-            for k, v in values.items()]
+        switch = Config.__annotations__[key] is bool
+        if switch != isinstance(value, bool):  # a bool is a switch (--lora, --no-lora)
+            kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+            kind = kind[Config.__annotations__[key]]
+            die(f"{key!r} in {path} must be {kind}, not {json.dumps(value)}")
+        text = (flag(key) if value else flag("no_" + key)) if switch else f"{flag(key)}={value}"
+        settings_parser(defaults, f"{key!r} in {path}: ").parse_args([text])  # its own line
+        flags.append(text)
+    return flags
 
 def check_config(cfg):
-    """Every setting checked before any work starts: a 0 would divide by zero or train nothing."""
+    """What no single flag's rule says, checked before any work starts."""
     environment(cfg.env)
     for name in filter(None, cfg.track.split(",")):
         if name not in TRACKERS:
             die(f"--track takes {' or '.join(TRACKERS)} or both (comma-separated), not {name!r}")
         if importlib.util.find_spec(name) is None:
             die(f"--track {name} needs its package: pip install '{TRACKERS[name]}'")
-    for f in dataclasses.fields(Config):
-        value = getattr(cfg, f.name)
-        if f.type not in (int, float) or f.name == "seed":
-            continue
-        if f.name in AT_LEAST and not value >= AT_LEAST[f.name]:
-            die(f"{flag(f.name)} must be >= {AT_LEAST[f.name]}, got {value}")
-        if f.name not in AT_LEAST and not value > 0:
-            die(f"{flag(f.name)} must be {'>= 1' if f.type is int else '> 0'}, got {value}")
 
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}
 REQUIRED = ["tasks", "messages", "step", "evaluate"]  # of an environment class: the interface

@@ -213,15 +213,17 @@ def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
     ('{"config": "other.json"}', "'config' in {path} is not a setting of a run"),
     ('{"resume": "runs/x"}', "'resume' in {path} is not a setting of a run"),  # it would skip the resume checks
     ('{"out": null}', "'out' in {path} is null: give it a value, or leave it out for the default"),
-    ('{"iterations": "three"}', "argument --iterations: invalid int value: 'three' in {path}"),
-    ('{"iterations": true}', "argument --iterations: expected one argument in {path}"),
-    ('{"normalize_rewards": 1}', "--no-normalize-rewards: ignored explicit argument '1' in {path}"),
-    ('{"ratio": "sideways"}', "argument --ratio: invalid choice: 'sideways'"),
-    ('{"epochs": 0}', "--epochs must be >= 1, got 0"),
+    ('{"iterations": "three"}', "'iterations' in {path}: argument --iterations: invalid int value: 'three'"),
+    ('{"iterations": true}', "'iterations' in {path} must be an integer, not true"),
+    ('{"lr": false}', "'lr' in {path} must be a number, not false"),  # not read as --no-lr
+    ('{"normalize_rewards": 1}', "'normalize_rewards' in {path} must be true or false, not 1"),
+    ('{"ratio": "sideways"}', "'ratio' in {path}: argument --ratio: invalid choice: 'sideways'"),
+    ('{"epochs": 0}', "'epochs' in {path}: argument --epochs: must be >= 1, got 0"),
+    ('{"lr": 1e309}', "'lr' in {path}: argument --lr: must be finite, got inf"),  # JSON's overflow
 ])
 def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, message):
     """A file's settings are read as the flags they name: a wrong key, type or value stops with
-    the flag's error and the file's name."""
+    the flag's error, the file's name and the key as the file writes it."""
     path = tmp_path / "bad.json"
     path.write_text(content)
     code, err = _error(capsys, "--config", str(path), "--out", str(tmp_path / "run"))
@@ -237,11 +239,15 @@ def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, mes
     ("--clip-eps", "-0.1", "> 0"), ("--lr", "-1e-5", "> 0"), ("--lr", "0", "> 0"), ("--temperature", "0", "> 0"),
     ("--grad-clip", "0", "> 0"), ("--max-kl", "nan", "> 0"), ("--code-timeout", "0", "> 0"),
     ("--weight-decay", "-0.01", ">= 0"), ("--min-abs-advantage", "-1", ">= 0"), ("--eval-temperature", "-1", ">= 0"),
-    ("--logprob-chunk", "0", ">= 1"),
+    ("--logprob-chunk", "0", ">= 1"), ("--lr", "inf", "finite"), ("--max-kl", "inf", "finite"),
+    ("--eval-temperature", "inf", "finite"), ("--code-timeout", "inf", "at most 86400"),
+    ("--code-timeout", "2.2e6", "at most 86400"), ("--seed", "-1", ">= 0"), ("--seed", "4294967296", "at most 4294967295"),
 ])
 def test_settings_out_of_range_stop_before_any_work(tmp_path, capsys, flag, value, allowed):
+    """Every number has a rule: an infinite --lr trained NaN weights into a checkpoint, a --code-timeout
+    past 2.1e6 s overflowed poll() at the first world, a seed past 2**64 / 10**6 overflowed torch's."""
     code, err = _error(capsys, "--tiny", f"{flag}={value}", "--out", str(tmp_path / "run"))
-    assert code == 2 and f"{flag} must be {allowed}, got " in err
+    assert code == 2 and f"argument {flag}: must be {allowed}, got {value}" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -272,12 +278,13 @@ def test_help_shows_defaults_and_a_wrong_or_shortened_flag_is_one_line(capsys, t
     assert "(default: Qwen/Qwen2.5-32B-Instruct)" in out and "(paper: 6). (default: 6)" in out
     # after --tiny and --config, the values that run would use, whichever comes first
     (tmp_path / "c.json").write_text(json.dumps({"rollouts_per_task": 4}))
-    for argv in (["--tiny", "--help"], ["--help", "--tiny", "--config", str(tmp_path / "c.json")]):
+    for argv in (["--tiny", "--help"], ["--help", "--tiny", "--config", str(tmp_path / "c.json")],
+                 ["--tiny", "--help", "--rollouts-per-task", "3"]):  # and the flags given with it
         with pytest.raises(SystemExit) as stop:
             loop.parse_config(argv)
         out = " ".join(capsys.readouterr().out.split())
         assert stop.value.code == 0 and "(reference code: 200); 0: evaluate only. (default: 15)" in out
-        assert f"(paper: 6). (default: {4 if '--config' in argv else 12})" in out
+        assert f"(paper: 6). (default: {4 if '--config' in argv else 3 if '3' in argv else 12})" in out
         assert f"(default: {os.path.join(HERE, 'assets', 'tiny-model')})" in out
     code, err = _error(capsys, "--iterations", "abc")
     assert code == 2 and "--iterations: invalid int value: 'abc'" in err
