@@ -1163,25 +1163,40 @@ def claim(cfg):
             run_dir = base if n == 1 else f"{base}-{n}"
             made = [path for path in itertools.accumulate(pathlib.Path(run_dir).parts,
                                                           os.path.join) if not os.path.isdir(path)]
+            claimed = [run_dir, made, taken_by(run_dir, cfg.model)]
             try:
-                os.makedirs(run_dir, exist_ok=True)
-                with open(os.path.join(run_dir, "config.json"), "x") as fh:
-                    fh.write(settings_text(cfg, run_dir))
-                claimed = [run_dir, made, None]
-                break
-            except FileExistsError:  # holds a run, or is being claimed by one
-                if cfg.out:
-                    claimed[2] = (f"{run_dir} already holds a run: continue it with --resume "
-                                  f"{run_dir}, or give another --out")
-                    break
+                if not claimed[2]:
+                    os.makedirs(run_dir, exist_ok=True)
+                    with open(os.path.join(run_dir, "config.json"), "x") as fh:
+                        fh.write(settings_text(cfg, run_dir))
+            except FileExistsError:  # claimed meanwhile by a run that started
+                claimed[2] = taken_by(run_dir, cfg.model) or f"{run_dir} was taken meanwhile"
             except OSError as e:
                 claimed[2] = f"cannot write the run directory {run_dir}: {first_line(e)}"
+                break
+            if cfg.out or not claimed[2]:  # a default name goes on to the next suffix
                 break
     if WORLD > 1:
         dist.broadcast_object_list(claimed)
     if claimed[2]:
         die(claimed[2])
     return claimed[0], claimed[1]
+
+def taken_by(run_dir, model):
+    """Why a fresh run may not write into run_dir, or None: it writes only where nothing of the
+    user's is (a new or empty folder), never over the model it starts from."""
+    out, weights = os.path.realpath(run_dir), os.path.realpath(os.path.expanduser(model))
+    if os.path.isdir(weights) and os.path.commonpath([out, weights]) == out:
+        return f"--out {run_dir} holds the model the run starts from ({model}): give another --out"
+    if os.path.isfile(os.path.join(run_dir, "config.json")):
+        return (f"{run_dir} already holds a run: continue it with --resume {run_dir}, or give "
+                "another --out")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        return f"--out {run_dir} is a file: give a new or empty folder"
+    if os.path.isdir(run_dir) and os.listdir(run_dir):
+        return (f"--out {run_dir} holds files and no run (no config.json): give a new or empty "
+                "folder (a run never writes over what is there)")
+    return None
 
 def default_out(cfg):
     """runs/<time>; an evaluation is named after what it evaluates: RUN/eval-<split> for a run's

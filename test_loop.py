@@ -2464,6 +2464,34 @@ def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_n
     assert all(len(loop.read_metrics(p / "metrics.jsonl")) == 1 for p in runs)
 
 
+def _files(folder):
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_fresh_run_writes_only_into_a_new_or_empty_folder_and_never_over_its_model(tmp_path, capsys):
+    """A forker's project folder (a model/ package, notes), a file, the folder that holds the model
+    a run starts from, that model's own folder: each refused with one line before anything is
+    written, and every file left as it was. Before, --out into the project replaced its model/ and
+    --model D/model --out D overwrote the weights the run trained from, exit 0."""
+    project, trained = tmp_path / "project", tmp_path / "trained"
+    (project / "model").mkdir(parents=True)
+    (project / "model" / "__init__.py").write_text("WEIGHTS = 1\n")
+    (project / "notes.txt").write_text("mine")
+    (tmp_path / "a-file").write_text("mine too")
+    shutil.copytree(SHIPPED, trained / "model")
+    for out, model, message in [(project, SHIPPED, f"--out {project} holds files and no run (no config.json)"),
+                                (tmp_path / "a-file", SHIPPED, f"--out {tmp_path / 'a-file'} is a file"),
+                                (trained, trained / "model", f"--out {trained} holds the model the run starts from"),
+                                (trained / "model", trained / "model", "holds the model the run starts from")]:
+        before = _files(tmp_path)
+        code, err = _error(capsys, *quick(), "--model", str(model), "--iterations", "1", "--out", str(out))
+        assert code == 2 and message in err, err
+        assert _files(tmp_path) == before
+    (tmp_path / "empty").mkdir()  # an empty folder is a fresh run's
+    loop.main([*quick(), "--iterations", "0", "--out", str(tmp_path / "empty")])
+    assert (tmp_path / "empty" / "metrics.jsonl").exists()
+
+
 def test_an_evaluation_only_run_writes_no_model(tmp_path, capsys):
     """--iterations 0 evaluates the model it starts from: writing that model again (64 GB at 32B)
     would add nothing."""
