@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -269,6 +270,23 @@ def environment(name):
             "tiny_world.py's docstring)")
     return env
 
+def tasks_of(env, split):
+    """env.tasks(split), checked: a non-empty list of unique task ids, else one line."""
+    name = env.__name__
+    if not isinstance(inspect.getattr_static(env, "tasks"), (staticmethod, classmethod)):
+        die(f"{name}.tasks(split) is called on the class: make it a @staticmethod")
+    try:
+        tasks = env.tasks(split)
+    except ValueError as e:  # a split it does not have, a missing data root: it says which
+        die(str(e))
+    if not (isinstance(tasks, list) and tasks and all(isinstance(t, str) for t in tasks)):
+        die(f"{name}.tasks({split!r}) must return a non-empty list of task ids (str), not "
+            f"{str(tasks)[:60]}")
+    if len(set(tasks)) < len(tasks):
+        twice = next(t for t in tasks if tasks.count(t) > 1)
+        die(f"{name}.tasks({split!r}) names task {twice!r} more than once")
+    return tasks
+
 
 # ============================== ALGO LOGIC: LOOP, read this first ===============================
 # 2. Rollouts: the POMDP of paper §4.1. One token sequence per episode; `is_output` marks the
@@ -425,7 +443,11 @@ def start_wave(pairs, chat, cfg):
     for (env, task_id), messages in zip(pairs, concurrently([env.messages for env, _ in pairs])):
         e = Episode(task_id, env, transcript=list(messages), done=getattr(env, "done", False),
                     cap=cfg.max_context)  # (done already if its world failed to start)
-        e.add(chat.prompt(messages))
+        prompt = chat.prompt(messages)
+        if len(prompt) >= cfg.max_context and not e.done:
+            die(f"the prompt of task {task_id} is {len(prompt)} tokens, and --max-context "
+                f"{cfg.max_context} leaves the agent no room to act: give a larger --max-context")
+        e.add(prompt)
         wave.append(e)
     return wave
 
@@ -482,6 +504,27 @@ def concurrently(calls):
     if errors:
         raise errors[0]
     return results
+
+def stop_if_every_world_failed(episodes, what):
+    """A run whose every world fails would train on nothing for hours: it stops, exit code 1, with
+    the first world's own error and what to do."""
+    errors = [getattr(e.env, "error", None) or "its world failed" for e in episodes if e.failed]
+    counts = all_reduce([len(episodes), len(errors)])
+    if not counts[0] or counts[1] < counts[0]:
+        return
+    if WORLD > 1:
+        parts = [None] * WORLD
+        dist.all_gather_object(parts, errors[:1])
+        errors = [error for part in parts for error in part]
+    hint = "check the world with tools/play.py --solution"
+    if "worker process ended" in errors[0]:  # a forker's script reran in every worker, say
+        hint = ("a script that registers a world runs loop.main() under "
+                "`if __name__ == \"__main__\":`")
+    raise WorldsFailed(f"every world failed in {what} ({int(counts[0])} episodes); the first: "
+                       f"{errors[0]}: {hint}")
+
+class WorldsFailed(Exception):
+    """Every world of an iteration or an evaluation failed: the run stops (main says why)."""
 
 
 # 3. Leave-one-out advantages (Eq. 3)
@@ -675,6 +718,7 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     envs = [Hosted(env, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
             for i, task in enumerate(task_ids)]
     episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
+    stop_if_every_world_failed(episodes, f"iteration {iteration}")
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
     valid = torch.tensor([not e.failed for e in episodes], dtype=torch.bool).view(len(tasks), k)
     advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
@@ -718,11 +762,12 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
     """One episode per task of `split`: the metrics row; 3 of the episodes to transcripts/."""
     started = time.time()
     env = environment(cfg.env)
-    tasks = env.tasks(split)[RANK::WORLD]  # each rank plays its share; rank 0 gathers the results
+    tasks = tasks_of(env, split)[RANK::WORLD]  # each rank plays its share; rank 0 gathers them
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
     envs = [Hosted(env, t, cfg.code_timeout, experiment) for t in tasks]
     episodes = rollout(model, chat, envs, tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
                        desc=f"eval {split}")
+    stop_if_every_world_failed(episodes, f"the evaluation of {split}")
     results = [(e.task_id, e.success, e.reward) for e in episodes]
     if WORLD > 1:
         parts = [None] * WORLD
@@ -1139,8 +1184,11 @@ def main(argv=None):
     if cfg.fsdp:
         start_distributed()
     run_dir, made = (cfg.resume, []) if cfg.resume else claim(cfg)
+    failed = None
     try:
         run(cfg, run_dir, made)
+    except WorldsFailed as e:  # said once the run's frames are gone, after its progress bars
+        failed = str(e)
     except KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
         sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
         started = os.path.exists(os.path.join(run_dir, "config.json"))
@@ -1148,6 +1196,10 @@ def main(argv=None):
         say(f"\ninterrupted: continue with `{launcher} {os.path.basename(sys.argv[0])} --resume "
             f"{run_dir}`" if started else "\ninterrupted before the run started: nothing written")
         sys.exit(130)
+    if failed:
+        if RANK == 0:
+            print(f"error: {failed}", file=sys.stderr)
+        sys.exit(1)
     if cfg.fsdp:  # not after an error: the failed rank would wait here for ranks waiting for it
         dist.barrier()  # no rank tears the group down while another still writes the model
         dist.destroy_process_group()
@@ -1229,11 +1281,9 @@ def start(cfg, run_dir, checkpoint):
     """The tasks, the model and its Chat, AdamW, the checkpoint, then config.json: a start that
     fails leaves the run directory as it was, or none."""
     env = environment(cfg.env)
-    try:  # a missing data root or an unknown split stops before the model loads
-        eval_tasks = env.tasks(cfg.split)
-        train_tasks = [] if cfg.eval else env.tasks(cfg.train_split)
-    except ValueError as e:
-        die(str(e))
+    # a missing data root or an unknown split stops before the model loads
+    eval_tasks = tasks_of(env, cfg.split)
+    train_tasks = [] if cfg.eval else tasks_of(env, cfg.train_split)
     if len(train_tasks) < cfg.tasks_per_iteration and not cfg.eval:
         say(f"note: --tasks-per-iteration {cfg.tasks_per_iteration} is more than the "
             f"{len(train_tasks)} tasks of {cfg.train_split}: each iteration plays all of them")
@@ -1309,7 +1359,7 @@ def next_steps(cfg, run_dir):
     model = os.path.join(run_dir, "model")
     settings = "--tiny" if cfg.env == "tiny" else f"--env {cfg.env}" + " --bf16" * cfg.bf16
     settings += f" --split {cfg.split}" * (cfg.split != Config.split)
-    task = environment(cfg.env).tasks(cfg.split)[0]
+    task = tasks_of(environment(cfg.env), cfg.split)[0]
     script = sys.argv[0]  # loop.py, or the script that registered the environment
     launcher = f"torchrun --nproc_per_node G {script} --fsdp" if cfg.fsdp else f"python {script}"
     return (f"  python tools/plot.py {run_dir}\n"

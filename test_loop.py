@@ -584,6 +584,16 @@ def test_a_turn_that_reaches_the_context_cap_is_cut_there(tiny, monkeypatch):
         assert e.is_output == [False] * prompt + [True] * (cap - prompt)  # one turn, cut at the cap
 
 
+def test_a_prompt_that_leaves_no_room_to_act_stops_the_run_at_its_first_wave(tmp_path, capsys):
+    """A --max-context shorter than a task's prompt: the run stops with one line that names the task
+    and both lengths (before, every episode ended before its first action, exit 0)."""
+    with pytest.raises(SystemExit) as stop:
+        loop.main(["--tiny", "--max-context", "50", "--out", str(tmp_path / "run")])
+    assert stop.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        "error: the prompt of task order00_1 is 73 tokens, and --max-context 50 leaves the agent no room to act: "
+        "give a larger --max-context")
+
+
 def test_observations_are_truncated_at_a_space_with_a_note(tiny):
     chat = tiny[2]
     text = " ".join(f"word{i}" for i in range(500))
@@ -2630,6 +2640,65 @@ def test_an_environment_that_cannot_be_used_is_one_line(tmp_path, capsys, monkey
     assert stop.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
 
 
+class _Broken:
+    """A forker's world with a bug in step() for the tasks of its train and broken splits."""
+
+    @staticmethod
+    def tasks(split):
+        return [f"{split}_1", f"{split}_2"]
+
+    def __init__(self, task_id, timeout, experiment):
+        self.broken, self.done = not task_id.startswith("test"), False
+
+    def messages(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, code):
+        self.done = True
+        return undefined if self.broken else "ok"  # noqa: F821
+
+    def evaluate(self):
+        return 1, 1
+
+
+def test_a_run_whose_every_world_fails_stops_with_the_first_worlds_error(tmp_path, capsys, monkeypatch):
+    """Every world of an iteration, then of an evaluation, fails: the run stops there with one line
+    that gives the world's own error and what to do, exit code 1 (before, it went on for all its
+    iterations, training on nothing); the worlds' failure was said once, not once an episode."""
+    monkeypatch.setitem(loop.ENVS, "broken", _Broken)
+    monkeypatch.setattr(loop.Hosted, "said", set())
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        loop.main([*quick(), "--env", "broken", "--iterations", "3", "--out", str(run)])
+    err = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 1 and err[-1] == (
+        "error: every world failed in iteration 1 (8 episodes); the first: _Broken.step raised NameError: name "
+        "'undefined' is not defined: check the world with tools/play.py --solution")
+    assert [line for line in err if line.startswith("note: ")] == [
+        "note: _Broken.step raised NameError: name 'undefined' is not defined: its episode fails as the world's "
+        "(said once)"]
+    assert [row["iteration"] for row in loop.read_metrics(run / "metrics.jsonl")] == [0]  # its evaluation held up
+    with pytest.raises(SystemExit) as stop:
+        loop.main([*quick(), "--env", "broken", "--eval", "--split", "broken", "--out", str(tmp_path / "eval")])
+    assert stop.value.code == 1 and "every world failed in the evaluation of broken (2 episodes)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tasks, message", [
+    (lambda split: ["a_1"], "W.tasks(split) is called on the class: make it a @staticmethod"),
+    (staticmethod(lambda split: [] if split == "train" else ["a_1"]), "W.tasks('train') must return a non-empty list"),
+    (staticmethod(lambda split: "a_1"), "W.tasks('test') must return a non-empty list of task ids (str), not a_1"),
+    (staticmethod(lambda split: [1, 2]), "W.tasks('test') must return a non-empty list of task ids (str), not [1, 2]"),
+    (staticmethod(lambda split: ["a_1", "a_2", "a_1"]), "W.tasks('test') names task 'a_1' more than once"),
+])
+def test_the_tasks_of_a_world_are_checked_at_the_start(tmp_path, capsys, monkeypatch, tasks, message):
+    """tasks written without @staticmethod, an empty split, ids that are not a list of str or
+    repeat: one line before the model loads (before, a traceback at the first evaluation)."""
+    members = {name: getattr(_Broken, name) for name in ("messages", "step", "evaluate")}
+    monkeypatch.setitem(loop.ENVS, "w", type("W", (), {"tasks": tasks, **members}))
+    code, err = _error(capsys, *quick(), "--env", "w", "--out", str(tmp_path / "run"))
+    assert code == 2 and message in err and not (tmp_path / "run").exists()
+
+
 def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
@@ -3050,6 +3119,155 @@ def test_agent_code_that_cannot_be_stopped_from_inside_fails_its_world_in_time_a
     monkeypatch.setattr(loop, "generate", scripted_policy(tiny_solution))
     again = [loop.Hosted(loop.TinyWorld, task, 1.0, "pytest") for task in ("order00_1", "phone00_1")]
     assert [e.success for e in loop.rollout(tiny[1], tiny[2], again, ["order00_1", "phone00_1"], cfg, 1.0, 3)] == [True] * 2
+
+
+class _Misbehaving:
+    """A world whose member its experiment names ("step=None") returns that value, as a forker's
+    world might; the others return what a world should."""
+
+    @staticmethod
+    def tasks(split):
+        return ["a_1"]
+
+    def __init__(self, task_id, timeout, experiment):
+        self.answers = {"messages": [{"role": "user", "content": "go"}], "step": "ok", "evaluate": (1, 2)}
+        member, _, value = experiment.partition("=")
+        self.answers[member] = eval(value)
+        self.done = self.answers["done"] if "done" in self.answers else False
+
+    def messages(self):
+        return self.answers["messages"]
+
+    def step(self, code):
+        return self.answers["step"]
+
+    def evaluate(self):
+        return self.answers["evaluate"]
+
+
+LIST_OF_MESSAGES = "a non-empty list of {'role': str, 'content': str}"
+RESULT = "(tests passed, tests total), 0 <= passed <= total, total > 0; or None if the world failed"
+
+
+@pytest.mark.parametrize("bad, refused", [
+    ("messages=None", f"messages() returned None: it must return {LIST_OF_MESSAGES}"),  # a forgotten return
+    ("messages='go'", f"messages() returned 'go': it must return {LIST_OF_MESSAGES}"),
+    ("messages=[]", f"messages() returned []: it must return {LIST_OF_MESSAGES}"),
+    ("messages=[{'content': 'go'}]", f"messages() returned [{{'content': 'go'}}]: it must return {LIST_OF_MESSAGES}"),
+    ("step=None", "step(code) returned None: it must return the observation, a str"),
+    ("step=b'ok'", "step(code) returned b'ok': it must return the observation, a str"),
+    ("step={'out': 'ok'}", "step(code) returned {'out': 'ok'}: it must return the observation, a str"),
+    ("step=3", "step(code) returned 3: it must return the observation, a str"),
+    ("done=None", "done returned None: it must return True or False (an attribute, a property or a method)"),
+    ("done=lambda: 'yes'", "done returned 'yes': it must return True or False (an attribute, a property or a method)"),
+    ("evaluate=(5, 3)", f"evaluate() returned (5, 3): it must return {RESULT}"),  # reward above 1
+    ("evaluate=(0, 0)", f"evaluate() returned (0, 0): it must return {RESULT}"),
+    ("evaluate=(-1, 2)", f"evaluate() returned (-1, 2): it must return {RESULT}"),
+    ("evaluate=(float('nan'), 2)", f"evaluate() returned (nan, 2): it must return {RESULT}"),
+    ("evaluate=3", f"evaluate() returned 3: it must return {RESULT}"),
+    ("evaluate=('1', '2')", f"evaluate() returned ('1', '2'): it must return {RESULT}"),
+    ("evaluate=(1, 2, 3)", f"evaluate() returned (1, 2, 3): it must return {RESULT}"),
+    ("evaluate=None", None),  # the world says it failed: no reward, no note
+    ("done=lambda: False", ""), ("evaluate=[2, 2.0]", ""), ("step='\\ud83d\\ude00 \\ud83d'", ""),  # allowed
+])
+def test_what_a_world_returns_is_checked_where_it_runs(bad, refused, monkeypatch, capsys):
+    """Each value a world's member may wrongly return fails its episode as the world's failure (no
+    reward, not even 0; out of its leave-one-out group), with one line that names the class, the
+    member and the value, said once a run; the worker closes the world and serves the next. Text
+    that is no valid UTF-8 (an escaped emoji printed) is made valid, not a crash. Before: a reward
+    above 1, a NaN, the placeholder prompt trained on, or a traceback hours into a run."""
+    monkeypatch.setattr(loop.Hosted, "said", set())
+    worlds = [loop.Hosted(_Misbehaving, "a_1", 1.0, bad) for _ in range(2)]
+    for world in worlds:
+        opening, output, result = world.messages(), world.step("print(1)"), world.evaluate()
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    if refused == "":  # what the interface allows
+        assert not world.failed and result in ((1, 2), (2, 2)) and world.done is False
+        assert output in ("ok", "\U0001f600 \ufffd") and opening == [{"role": "user", "content": "go"}]
+        assert not notes
+        return
+    assert world.failed and result is None and world.done
+    if refused is None:
+        assert world.error == "_Misbehaving.evaluate() returned None: the world failed" and not notes
+        return
+    assert world.error == f"_Misbehaving.{refused}" and notes == [
+        f"note: _Misbehaving.{refused}: its episode fails as the world's (said once)"]
+    assert all(w.worker.is_alive() for w in worlds) and worlds[0].worker is worlds[1].worker  # served again
+
+
+STUCK_WORLD = """
+import os
+
+
+class StuckWorld:
+    \"\"\"A world whose every step runs code that cannot be stopped from inside.\"\"\"
+
+    @staticmethod
+    def tasks(split):
+        return ["stuck_1", "stuck_2"]
+
+    def __init__(self, task_id, timeout, experiment):
+        pass
+
+    def messages(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, code):
+        open(os.environ["STEPPING"], "w").close()
+        while True:
+            try:
+                while True:
+                    pass
+            except BaseException:
+                pass
+
+    def evaluate(self):
+        return 1, 1
+"""
+
+
+def _descendants(pid):
+    """Every process below `pid`, by the parent ids in /proc."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                children.setdefault(int(fh.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except OSError:  # gone meanwhile
+            continue
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_trainer_leaves_nothing_running(tmp_path, sig):
+    """kill -9 or SIGTERM (what Slurm and Kubernetes send first) of a trainer whose worlds run code
+    that cannot be stopped from inside: their workers, the forkserver and the resource tracker all
+    end within the world's time limit + margin, and a pipeline that reads the run's output ends.
+    Before, the workers spun at 100% of a core for ever and held the output open."""
+    (tmp_path / "stuck_world.py").write_text(STUCK_WORLD)
+    stepping = tmp_path / "stepping"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--env", "stuck_world:StuckWorld",
+                             "--iterations", "0", "--code-timeout", "1", "--out", "run"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, STEPPING=str(stepping)))
+    left, deadline = [], time.monotonic() + 120
+    try:
+        while not stepping.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _descendants(proc.pid)  # the forkserver, the workers, the resource tracker
+        proc.send_signal(sig)
+        started = time.monotonic()
+        proc.communicate(timeout=1 + loop.Hosted.MARGIN + 4)  # every holder of the output gone
+        seconds = time.monotonic() - started
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if not all(map(_gone, [proc.pid, *left])) else None
+    assert len(left) >= 4 and seconds < 1 + loop.Hosted.MARGIN + 2, (left, seconds)
+    assert all(_gone(pid) for pid in left)
 
 
 FIRST_ANSWERS = """

@@ -28,7 +28,10 @@ script and run loop's command line (see the README):
     loop.main()                     # python my_script.py --env mine --model ...
 """
 import builtins
+import faulthandler
+import math
 import multiprocessing
+import numbers
 import os
 import random
 import re
@@ -221,28 +224,89 @@ class TinyWorld:
 # How loop.py runs a world of any environment: in a worker process of its own. Agent code that
 # cannot be stopped from inside (a bare `except:` around an endless loop, a long C call such as
 # sum(range(10**12))) is stopped by killing its process; AppWorld also allows one world a process.
+class Refused(Exception):
+    """A value the interface does not allow, from a world's method: its episode fails."""
+
 def serve(conn):
-    """A worker process: one world at a time, task after task, each call answered in turn. An error
-    of the world's own ends the process: its episode fails, not the run."""
+    """A worker process: one world at a time, task after task, each call answered in turn with
+    ("ok", its value checked), or ("refused" or "raised", (member, a line that says why)): the
+    episode fails, not the run. A refused value closes the world and the worker serves the next
+    one; an error of the world's own ends the process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the trainer's to handle
+    quiet = open(os.devnull, "w")
     world = None
     while True:
         try:
-            method, arg = conn.recv()
+            method, arg, wait = conn.recv()
         except EOFError:  # the trainer is gone
             return
-        if method == "start":
-            env, task_id, timeout, experiment, environ = arg
-            os.environ.update(environ)  # the trainer's now (APPWORLD_ROOT), not at the fork
-            world = env(task_id, timeout, experiment)
-            conn.send(world.messages())
-        elif method == "step":
-            conn.send((world.step(arg), getattr(world, "done", False)))
-        else:  # "evaluate", a world's last call
-            result = world.evaluate()
+        # the trainer's deadline here too, kept by a C thread (it fires also while agent code holds
+        # the GIL): a worker whose trainer was killed ends by then, whatever its world runs
+        faulthandler.dump_traceback_later(wait, exit=True, file=quiet)
+        member = {"start": "messages", "step": "step"}.get(method, "evaluate")
+        try:
+            if method == "start":
+                env, task_id, timeout, experiment, environ = arg
+                os.environ.update(environ)  # the trainer's now (APPWORLD_ROOT), not at the fork
+                member = "__init__"
+                world = env(task_id, timeout, experiment)
+                member = "messages"
+                reply = checked_messages(world, world.messages())
+            elif method == "step":
+                reply = checked_text(world, world.step(arg)), checked_done(world)
+            else:  # "evaluate", a world's last call
+                reply = checked_result(world, world.evaluate())
+                getattr(world, "close", lambda: None)()
+                world = None
+            conn.send(("ok", reply))
+        except Refused as e:
             getattr(world, "close", lambda: None)()
             world = None
-            conn.send(result)
+            conn.send(("refused", (member, str(e))))
+        except Exception as e:  # noqa: BLE001 - the world's own error: its last traceback line
+            name = type(world).__name__ if world is not None else env.__name__
+            conn.send(("raised", (member, f"{name}.{member} raised {type(e).__name__}: {e}")))
+            return
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+def refuse(world, member, value, rule):
+    shown = repr(value) if len(repr(value)) < 60 else repr(value)[:57] + "..."
+    raise Refused(f"{type(world).__name__}.{member} returned {shown}: it must return {rule}")
+
+def checked_messages(world, messages):
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages)):
+        refuse(world, "messages()", messages, "a non-empty list of {'role': str, 'content': str}")
+    return [{"role": m["role"], "content": valid_text(m["content"])} for m in messages]
+
+def checked_text(world, text):
+    if not isinstance(text, str):
+        refuse(world, "step(code)", text, "the observation, a str")
+    return valid_text(text)
+
+def valid_text(text):
+    """Text any tokenizer and file can take: a surrogate pair (print("\\ud83d\\ude00")) joined,
+    a lone surrogate replaced."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+def checked_done(world):
+    done = getattr(world, "done", False)
+    done = done() if callable(done) else done  # AppWorld spells it task_completed()
+    if done not in (True, False):
+        refuse(world, "done", done, "True or False (an attribute, a property or a method)")
+    return bool(done)
+
+def checked_result(world, result):
+    if result is None:  # the world says it failed
+        return None
+    if not (isinstance(result, (tuple, list)) and len(result) == 2
+            and all(isinstance(x, numbers.Real) and math.isfinite(x) for x in result)
+            and 0 <= result[0] <= result[1] and result[1] > 0):
+        refuse(world, "evaluate()", result, "(tests passed, tests total), 0 <= passed <= total, "
+               "total > 0; or None if the world failed")
+    return tuple(x if isinstance(x, int) else float(x) for x in result)
 
 def start_forkserver():
     """Python 3.11's forkserver imports its preload modules on its own sys.path, not the trainer's
@@ -260,19 +324,21 @@ def start_forkserver():
 class Hosted:
     """A world of `env` in a worker process, with the interface's methods. Every call has a
     deadline: a world that dies or does not answer in time is killed and fails its episode (an
-    infrastructure failure: no reward, not even 0). The world starts with its episode's wave
-    (messages()) and its worker waits idle after the evaluation, for a world of the next wave."""
+    infrastructure failure: no reward, not even 0), as does one whose answer the interface does
+    not allow. `error` says why. The world starts with its episode's wave (messages()) and its
+    worker waits idle after the evaluation, for a world of the next wave."""
 
     WORLD_TIMEOUT = 300  # seconds a world may take to start or to be evaluated (AppWorld: ~4, ~0.1)
     MARGIN = 5  # seconds a step may take beyond the agent's time limit before its world is killed
     idle = []  # workers waiting for a world
     idle_lock = threading.Lock()  # a wave's worlds take and give back workers from its threads
     forkserver_started = False
+    said = set()  # the failures of worlds said so far, a line each: (class, member, kind)
 
     def __init__(self, env, task_id, timeout, experiment):
         self.env, self.task_id, self.timeout, self.experiment = env, task_id, timeout, experiment
         self.done = self.failed = False
-        self.opening = self.worker = None
+        self.opening = self.worker = self.error = None
 
     def take_worker(self):
         with Hosted.idle_lock:
@@ -281,6 +347,10 @@ class Hosted:
                 if worker.is_alive():  # else it died while it waited
                     return worker, conn
         return self.start_worker()
+
+    def give_back(self):
+        with Hosted.idle_lock:
+            Hosted.idle.append((self.worker, self.conn))
 
     def start_worker(self):
         """From the forkserver, a clean process (a fork of the trainer would inherit CUDA state,
@@ -302,15 +372,37 @@ class Hosted:
         return worker, conn
 
     def call(self, message, wait):
-        """The answer to `message` within `wait` s, or None: the world died or hung: killed."""
+        """The world's answer within `wait` s, or None: it failed, and `error` says why. A world
+        that died or hung is killed; one that raised has ended its worker; one whose answer was
+        refused is closed, and its worker serves the next one. A failure of the world's own is said
+        once a run (its class, method and kind), not once an episode."""
+        (method, _), status, value = message, "died", None
         try:
-            self.conn.send(message)
-            if self.conn.poll(wait):
-                return self.conn.recv()
+            self.conn.send((*message, wait))
+            status, value = self.conn.recv() if self.conn.poll(wait) else ("hung", None)
         except (EOFError, OSError):
             pass
-        self.worker.kill()
+        if status == "ok":
+            return value
         self.failed = self.done = True
+        if status == "refused":
+            self.give_back()
+            member, self.error = value
+        elif status == "raised":
+            member, self.error = value
+        elif status == "hung":
+            self.error = f"{self.env.__name__} did not answer its {method} within {wait:g} s"
+        else:
+            self.worker.join(1)
+            self.error = (f"{self.env.__name__}'s worker process ended (exit code "
+                          f"{self.worker.exitcode}) before it answered its {method}")
+        if status != "refused":
+            self.worker.kill()
+        if value and (self.env, member, status) not in Hosted.said:
+            Hosted.said.add((self.env, member, status))
+            from tqdm import tqdm
+            tqdm.write(f"note: {self.error}: its episode fails as the world's (said once)",
+                       file=sys.stderr)
         return None
 
     def messages(self):  # the world starts: its episode's wave begins
@@ -324,18 +416,19 @@ class Hosted:
         return self.opening
 
     def step(self, code):
-        wait = self.timeout + self.MARGIN
-        reply = None if self.failed else self.call(("step", code), wait)
+        reply = None if self.failed else self.call(("step", code), self.timeout + self.MARGIN)
         if reply is None:
-            return f"Environment failed: the world did not answer within {wait:g} s: stopped."
+            return f"Environment failed: {self.error}: stopped."
         output, self.done = reply
         return output
 
     def evaluate(self):
         result = None if self.failed else self.call(("evaluate", None), self.WORLD_TIMEOUT)
         if not self.failed:  # it answered: its worker serves a world of the next wave
-            with Hosted.idle_lock:
-                Hosted.idle.append((self.worker, self.conn))
+            self.give_back()
+            if result is None:
+                self.failed = self.done = True
+                self.error = f"{self.env.__name__}.evaluate() returned None: the world failed"
         return result
 
     def close(self):
