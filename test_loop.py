@@ -1805,13 +1805,15 @@ def _one_read_worker(out, folder, *flags):
     rank = loop.RANK
     loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]))  # imports done
     before = _rss_mb()
-    model, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
+    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
     growth = _rss_mb("VmHWM") - before
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # (cpu_offload: rank 0 alone holds the gathered weights)
         torch.save(weights, out + ".weights")
+    stop_ids = loop.chat_of(model, tok).stop_ids
     if rank == 1:
-        torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth,
+        torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth, "stop_ids": stop_ids,
+                    "eos": model.generation_config.eos_token_id,
                     "parameters": len(list(model.parameters()))}, out)  # tied ones count once
     dist.barrier()  # as the other workers end: a rank that exits with gloo up may abort (SIGABRT)
     dist.destroy_process_group()
@@ -1823,8 +1825,9 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
     and receives its shards from rank 0, so its host memory grows by about its half (233 MB), well
     below the model's size (before: every rank read the whole model first); its weights, LoRA
     adapter included, buffers (RoPE's inv_freq, in no state dict) and tied weights are a one-process
-    load's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    load's. Its generation_config.json stops on other ids than its config.json: rank 1, which reads
+    neither, stops on rank 0's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config
     folder = str(tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(SHIPPED)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
@@ -1832,6 +1835,7 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(eos_token_id=[tok.eos_token_id, 7])  # not config.json's
     size_mb = sum(p.numel() for p in model.parameters()) * 4 / 2**20
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -1843,6 +1847,8 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
     if not flags:  # (bf16 halves it: then the allocator's ~80 MB of slack would decide)
         assert got["growth_mb"] < 0.75 * size_mb, got["growth_mb"]  # measured 310; before, 500
     single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]))
+    assert got["eos"] == single.generation_config.eos_token_id == [tok.eos_token_id, 7]
+    assert got["stop_ids"] == sorted({tok.eos_token_id, 7, tok.convert_tokens_to_ids("<|im_end|>")})
     expected = single.state_dict()
     assert got["parameters"] == len(list(single.parameters()))  # the embedding is still the head
     assert got["weights"].keys() == expected.keys()
