@@ -473,8 +473,9 @@ def extract_code(text):
     A reasoning model's drafts do not run: only the text after its reasoning block counts."""
     text = text.rsplit("</think>", 1)[-1]  # (the <think> may be in the generation prompt)
     text = text.split("<think>", 1)[0]  # reasoning cut off by the token limit: no answer yet
-    blocks = re.findall(r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)", text, flags=re.S)
-    return "\n".join(b.rstrip() for b in blocks)
+    return "\n".join(b.rstrip() for b in re.findall(CODE_BLOCK, text, flags=re.S))
+
+CODE_BLOCK = r"```(?:python|py)[ \t]*\n(.*?)(?:```|$)"  # a final unterminated block counts
 
 def observe(e, output, last_turn, chat, cfg):
     """The environment's output joins the episode as context, between the template's separators."""

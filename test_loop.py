@@ -3553,6 +3553,35 @@ def test_play_checks_a_world_with_a_hand_written_solution(capsys, tmp_path):
         assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_every_block_of_a_solution_plays_and_its_mistakes_are_one_line(capsys, tmp_path):
+    """Six blocks with --eval-max-turns 2: every one plays (before, the solution was cut at 2 turns,
+    silently), read as loop.py reads a reply (a ```py fence with a space after it, an unterminated
+    last block); the block left after complete_task() is named. A header without its space, one
+    that matches no task, a section twice, a section without code: one line each."""
+    reference = open(os.path.join(HERE, "assets", "tiny_solution.md")).read()
+    order = reference.split("## order")[1].split("## payback")[0]
+    path = tmp_path / "solution.md"
+    path.write_text("## order\n```py \nprint('first')\n```\n```python\nprint('second')\n```\n" + order
+                    + "```python\nprint('after the task is done')\n")
+    play.main(["--tiny", "--solution", str(path), "--task", "order00_1", "--eval-max-turns", "2"])
+    out = capsys.readouterr().out
+    assert out.count("--- assistant\n") == 5 and "--- user\nfirst\n" in out and "reward 1.00, success" in out
+    assert "(the world was done after turn 5: 1 more block(s) did not play)" in out
+    for text, message in [("##order\n```python\nx\n```", "'##order' is not a section header: write '## PREFIX'"),
+                          ("## nosuch\n```python\nx\n```", "'## nosuch' matches no task of the world"),
+                          ("## order\n" + order + "## order\n" + order, "has the section '## order' twice"),
+                          ("## order\nno code yet\n## phone\n```python\nx\n```", "its section '## order' holds no"),
+                          ("```python\n## a comment, not a header\n", "")]:
+        path.write_text(text)
+        if not message:  # a "##" line inside a block is code
+            assert play.read_solution(str(path), ["order00_1"]) == {"": ["## a comment, not a header"]}
+            continue
+        with pytest.raises(SystemExit) as stop:
+            play.main(["--tiny", "--solution", str(path), "--split", "test"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
 def _fake_runs(root):
     """Two seeds of LOOP and of per-turn ratios, plus an evaluation-only run and an unfinished run,
     which the report must leave out. TGC at iterations 0/10/20 and clip fractions are chosen by hand."""
