@@ -28,6 +28,7 @@ import os
 import pathlib
 import random
 import re
+import shlex
 import shutil
 import sys
 import threading
@@ -57,7 +58,8 @@ class Config:
     # the run
     env: str = setting("appworld", "appworld, tiny (AppWorld in miniature), or your module:Class.")
     model: str = setting("Qwen/Qwen2.5-32B-Instruct", "Hugging Face model id or local directory.")
-    seed: int = setting(0, "Seed for Python, torch and task sampling.", at_least=0, at_most=2**32 - 1)
+    seed: int = setting(0, "Seed for Python, torch and task sampling.", at_least=0,
+                        at_most=2**32 - 1)
     out: str = setting("", "Run directory of metrics, transcripts, weights (default runs/<time>).")
     resume: str = setting("", "Run directory to continue from its last complete checkpoint.")
     iterations: int = setting(200, "Training iterations (reference code: 200); 0: evaluate only.",
@@ -89,7 +91,7 @@ class Config:
     max_new_tokens: int = setting(1500, "Tokens the policy may sample per turn (paper: 1500).")
     max_context: int = setting(32768, "Tokens an episode may hold: it ends at this cap.")
     max_obs_tokens: int = setting(3000, "Observations are cut at this many tokens, with a note.")
-    code_timeout: float = setting(30.0, "Seconds the agent's code may run per turn (at most a day).",
+    code_timeout: float = setting(30.0, "Seconds the agent's code may run per turn (<= a day).",
                                   at_most=86400)
     temperature: float = setting(1.0, "Temperature of training rollouts, and of their scoring.")
     eval_temperature: float = setting(0.0, "Sampling temperature for evaluation (0 = greedy).",
@@ -141,10 +143,12 @@ def settings_parser(shown, where=""):
     parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
     parser.add_argument("--tiny", action="store_true", help="the settings of tiny_config.json")
     for f in dataclasses.fields(Config):
-        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": checked(f)}
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {
+            "type": checked(f)}
         value = shown[f.name]
+        default = f" (default: {value})" if value != "" else ""
         parser.add_argument(flag(f.name), **kind, choices=f.metadata["choices"],
-                            help=f.metadata["doc"] + (f" (default: {value})" if value != "" else ""))
+                            help=f.metadata["doc"] + default)
     return parser
 
 def checked(f):
@@ -1193,9 +1197,9 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
         sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
         started = os.path.exists(os.path.join(run_dir, "config.json"))
-        launcher = "torchrun --nproc_per_node G" if cfg.fsdp else "python"
-        say(f"\ninterrupted: continue with `{launcher} {os.path.basename(sys.argv[0])} --resume "
-            f"{run_dir}`" if started else "\ninterrupted before the run started: nothing written")
+        launcher = ["torchrun", "--nproc_per_node", "G"] if cfg.fsdp else ["python"]
+        say(f"\ninterrupted: continue with `{shell(*launcher, sys.argv[0], '--resume', run_dir)}`"
+            if started else "\ninterrupted before the run started: nothing written")
         sys.exit(130)
     if failed:
         if RANK == 0:
@@ -1242,8 +1246,8 @@ def taken_by(run_dir, model):
     if os.path.isdir(weights) and os.path.commonpath([out, weights]) == out:
         return f"--out {run_dir} holds the model the run starts from ({model}): give another --out"
     if os.path.isfile(os.path.join(run_dir, "config.json")):
-        return (f"{run_dir} already holds a run: continue it with --resume {run_dir}, or give "
-                "another --out")
+        return (f"{run_dir} already holds a run: continue it with --resume {shlex.quote(run_dir)}, "
+                "or give another --out")
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         return f"--out {run_dir} is a file: give a new or empty folder"
     if os.path.isdir(run_dir) and os.listdir(run_dir):
@@ -1356,16 +1360,36 @@ def run(cfg, run_dir, made):
         f"{next_steps(cfg, run_dir)}")
 
 def next_steps(cfg, run_dir):
-    """The commands that look at a finished run (the tiny world's settings are --tiny's)."""
-    model = os.path.join(run_dir, "model")
-    settings = "--tiny" if cfg.env == "tiny" else f"--env {cfg.env}" + " --bf16" * cfg.bf16
-    settings += f" --split {cfg.split}" * (cfg.split != Config.split)
-    task = tasks_of(environment(cfg.env), cfg.split)[0]
-    script = sys.argv[0]  # loop.py, or the script that registered the environment
-    launcher = f"torchrun --nproc_per_node G {script} --fsdp" if cfg.fsdp else f"python {script}"
-    return (f"  python tools/plot.py {run_dir}\n"
-            f"  {launcher} {settings} --eval --model {model}\n"
-            f"  python tools/play.py {settings} --model {model} --task {task}")
+    """The commands that look at a finished run, as a shell reads them: its figures, its model's
+    evaluation, the model playing a task. The tools import a world a script registered by its
+    module:Class (one the script itself defines they cannot: no play line)."""
+    model, world = os.path.join(run_dir, "model"), environment(cfg.env)
+    script = sys.argv[0]  # loop.py, or the script that registered the world, as it was run
+    launcher = ["torchrun", "--nproc_per_node", "G", script, "--fsdp"] if cfg.fsdp else ["python",
+                                                                                         script]
+
+    def flags(env):  # the tiny world's settings are --tiny's
+        split = ["--split", cfg.split] * (cfg.split != Config.split)
+        return (["--tiny"] if env == "tiny" else ["--env", env] + ["--bf16"] * cfg.bf16) + split
+
+    named = cfg.env
+    if cfg.env not in ("tiny", "appworld") and ":" not in cfg.env:
+        named = f"{world.__module__}:{world.__qualname__}"
+    steps = [["python", tool("plot.py"), run_dir], [*launcher, *flags(cfg.env), "--eval",
+                                                    "--model", model]]
+    if not named.startswith("__main__:"):
+        task = tasks_of(world, cfg.split)[0]
+        steps.append(["python", tool("play.py"), *flags(named), "--model", model, "--task", task])
+    return "\n".join("  " + shell(*step) for step in steps)
+
+def shell(*words):
+    """A command as a shell reads it back: every word quoted where it must be."""
+    return " ".join(shlex.quote(str(word)) for word in words)
+
+def tool(name):
+    """tools/NAME as a path from the current directory (absolute from outside the repository)."""
+    path = os.path.relpath(os.path.join(HERE, "tools", name))
+    return os.path.join(HERE, "tools", name) if path.startswith("..") else path
 
 if __name__ == "__main__":
     main()

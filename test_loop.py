@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -2528,13 +2529,14 @@ def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkey
 
 # ---------------- 13. Main: whole runs, a new environment, Ctrl-C, a wave too big, a failing rank
 def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_printed(tmp_path, capsys):
-    out = tmp_path / "run"
+    """...and the commands it prints are quoted for a shell: its directory's name has a space and a quote."""
+    out = tmp_path / "Kofi's run"
     loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
     said = capsys.readouterr().err
     assert f"finished: {out} holds metrics.jsonl, transcripts/ and the trained model/. Next:" in said
-    assert f"\n  python tools/plot.py {out}\n" in said
-    assert f"tools/play.py --tiny --model {out / 'model'} --task order00_1" in said
-    suggested = next(line for line in said.splitlines() if "--eval" in line).split()
+    assert f"\n  python {os.path.join(HERE, 'tools', 'plot.py')} {shlex.quote(str(out))}\n" in said
+    assert f"tools/play.py --tiny --model {shlex.quote(str(out / 'model'))} --task order00_1" in said
+    suggested = shlex.split(next(line for line in said.splitlines() if "--eval" in line))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "reward_mean" in r and "split" not in r]
     evals = [r for r in rows if r.get("split") == "test"]
@@ -2616,7 +2618,7 @@ def test_a_new_environment_with_only_the_required_members_trains_as_module_colon
     train, final = [r for r in loop.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
     assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
     assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
-    assert "python tools/play.py --env sum_world:SumWorld --model run/model --task sum0_1" in r.stderr
+    assert "tools/play.py --env sum_world:SumWorld --model run/model --task sum0_1" in r.stderr
     r = _run_command([sys.executable, os.path.join(HERE, "tools", "play.py"), "--env", "sum_world:SumWorld",
                       "--model", "run/model", "--task", "sum0_1"], timeout=300,
                      cwd=tmp_path)  # the tools take the world by the same name, from the same directory
@@ -2706,7 +2708,8 @@ def test_the_tasks_of_a_world_are_checked_at_the_start(tmp_path, capsys, monkeyp
 
 
 def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
-    run = tmp_path / "run"
+    """...a command a shell reads back: the script as it was run, a directory with a space quoted."""
+    run = tmp_path / "a run"
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             start_new_session=True, preexec_fn=_sigint_as_by_default)
@@ -2719,7 +2722,8 @@ def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
     assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert err.strip().splitlines()[-1] == f"interrupted: continue with `python loop.py --resume {run}`"
+    script = os.path.join(HERE, "loop.py")
+    assert err.strip().splitlines()[-1] == f"interrupted: continue with `python {script} --resume '{run}'`"
 
 
 CUT_SHORT_BAR = """
@@ -2749,7 +2753,7 @@ def test_ctrl_c_while_a_progress_bar_is_built_prints_no_traceback(tmp_path):
     script.write_text(CUT_SHORT_BAR.format(here=HERE, run=str(tmp_path / "run")))
     r = _run_command([sys.executable, str(script)], timeout=300)
     assert r.returncode == 130 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("interrupted: continue with `python cut.py --resume")
+    assert r.stderr.strip().splitlines()[-1].startswith(f"interrupted: continue with `python {script} --resume")
 
 
 @pytest.fixture(scope="module")

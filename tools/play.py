@@ -10,8 +10,9 @@ then how many tasks earned the full reward. Without --task, every task of --spli
 --solution FILE plays code you wrote instead of a model (none is loaded): FILE's ```python blocks
 are the turns, in order, every one of them. A line "## PREFIX" starts the turns of the tasks whose
 id starts with PREFIX (a task, a scenario, a family; the longest PREFIX that matches wins); blocks
-before any such line are played in every other task. Your reference solution should earn the full reward on
-every task, and a wrong one should not: else the world's checks are wrong, not the model.
+before any such line are played in every other task. Your reference solution should earn the
+full reward on every task, and a wrong one should not: else the world's checks are wrong, not the
+model.
 
 Every other flag is loop.py's (--env, --split, --eval-max-turns, --code-timeout, ...). A task is
 one of --split's or --train-split's. Nothing is written but what the world itself keeps
