@@ -18,14 +18,16 @@ episode, each in a worker process of its own (Hosted, at the end of this file), 
     Env.DOCS_CALL, Env.ERROR_PREFIX    optional: code text that reads documentation and the start
                                        of an error observation, for the behaviour shares
 
-A world that raises, dies or does not answer in time (its step: `timeout` + Hosted.MARGIN s) fails
-its episode: no reward, and the run goes on. The class must be importable by its module's name
-(defined at a module's top level), since a worker process imports it. Register it from your own
-script and run loop's command line (see the README):
+A world that raises, dies, does not answer in time (its step: `timeout` + Hosted.MARGIN s) or
+returns what this interface does not allow (its worker checks) fails its episode: no reward, and
+the run goes on; a run whose every world fails stops. The class must be importable by its
+module's name (defined at a module's top level), since a worker process imports it. Register it
+from your own script and run loop's command line (see the README):
 
     import loop, my_world
     loop.ENVS["mine"] = my_world.MyWorld
-    loop.main()                     # python my_script.py --env mine --model ...
+    if __name__ == "__main__":      # a world's worker imports this script again as it starts
+        loop.main()                 # python my_script.py --env mine --model ...
 """
 import builtins
 import faulthandler
