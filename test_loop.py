@@ -3253,7 +3253,7 @@ def _descendants(pid):
     return found
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill -9", "SIGTERM"])
 def test_a_killed_trainer_leaves_nothing_running(tmp_path, sig):
     """kill -9 or SIGTERM (what Slurm and Kubernetes send first) of a trainer whose worlds run code
     that cannot be stopped from inside: their workers, the forkserver and the resource tracker all
