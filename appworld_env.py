@@ -3,7 +3,7 @@
 An episode is a task of an AppWorld split: our ReAct-style prompt (assets/appworld_prompt.txt), the
 task with its date and supervisor, the agent's code run by `world.execute`, and reward and success
 from `world.evaluate()`'s unit tests. loop.py runs each world in a worker process of its own
-(tiny_world.Hosted), which AppWorld needs: one world per process.
+(infra.Hosted), which AppWorld needs: one world per process.
 """
 import os
 import pathlib

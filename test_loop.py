@@ -18,8 +18,10 @@ import warnings
 import pytest
 import torch
 
+import infra
 import loop
 import tiny_world
+from chat import Chat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "assets", "tiny-model")  # what --tiny starts from
@@ -44,15 +46,15 @@ def _worlds_start_as_appworld_needs():
     """The forkserver that starts every world's worker preloads what the first world's environment
     names (a run has one): in this process both run, so it starts for AppWorld, whose 12 apps each
     worker would otherwise import itself (3-4 s)."""
-    worker, _ = loop.Hosted(loop.AppWorldEnv, "", 1.0, "").start_worker()
+    worker, _ = infra.Hosted(loop.AppWorldEnv, "", 1.0, "").start_worker()
     worker.kill()
 
 @pytest.fixture(scope="module")
 def tiny():
     """The shipped tiny instruct model (assets/tiny-model), loaded as --tiny loads it."""
     cfg = loop.parse_config(["--tiny", "--seed", "0", "--max-new-tokens", "24"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    return cfg, model, loop.Chat(tok)
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    return cfg, model, Chat(tok)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +176,7 @@ def appworld_root(tmp_path_factory):
 
 def _appworld(task_id, timeout, experiment):
     """An AppWorld world as a run has it: in a worker process of its own."""
-    return loop.Hosted(loop.AppWorldEnv, task_id, timeout, experiment)
+    return infra.Hosted(loop.AppWorldEnv, task_id, timeout, experiment)
 
 
 def _scripted_turns(codes_of_turn):
@@ -197,7 +199,7 @@ def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
     # --tiny with --config: the file is laid over tiny_config.json, flags over both
     cfg = loop.parse_config(["--tiny", "--config", str(path), "--lr", "0.5"])
     assert (cfg.model, cfg.env, cfg.iterations, cfg.max_turns, cfg.lr) == (SHIPPED, "tiny", 7, 9, 0.5)
-    assert cfg.rollouts_per_task == json.load(open(loop.TINY_CONFIG))["rollouts_per_task"]
+    assert cfg.rollouts_per_task == json.load(open(infra.TINY_CONFIG))["rollouts_per_task"]
     # a model folder a config file names is looked for beside the file; a hub id stays as it is
     (tmp_path / "mine").mkdir()
     path.write_text(json.dumps({"model": "mine"}))
@@ -304,7 +306,7 @@ def test_settings_parse_without_the_source_file(tmp_path):
     assert profiled.returncode == 0 and profiled.stdout == reference
     shutil.copytree(os.path.join(HERE, "assets"), tmp_path / "assets")
     shutil.copy(os.path.join(HERE, "tiny_config.json"), tmp_path)
-    for sibling in ("tiny_world.py", "chat.py", "appworld_env.py"):  # the modules beside it
+    for sibling in ("infra.py", "tiny_world.py", "chat.py", "appworld_env.py"):  # the modules beside it
         shutil.copy(os.path.join(HERE, sibling), tmp_path)
     py_compile.compile(os.path.join(HERE, "loop.py"), cfile=str(tmp_path / "loop.pyc"), doraise=True)
     compiled = _run_command([sys.executable, str(tmp_path / "loop.pyc"), "--help"], cwd=tmp_path)
@@ -365,7 +367,7 @@ def test_recomputed_logprobs_equal_sampling_logprobs(tiny, episodes, temperature
     sampled = torch.log_softmax(torch.stack(out.logits, 1).float() / temperature, -1).gather(-1, new[..., None]).squeeze(-1)
     with torch.no_grad():
         full_attn = torch.cat([attn, torch.ones_like(new)], 1)
-        recomputed = loop.token_logprobs(model, out.sequences, full_attn, temperature)[:, width - 1:]
+        recomputed = infra.token_logprobs(model, out.sequences, full_attn, temperature)[:, width - 1:]
     assert torch.allclose(recomputed, sampled, atol=1e-4)
 
 
@@ -393,7 +395,7 @@ def test_generate_samples_from_the_softmax_that_the_update_scores(biased_model, 
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     full, full_attn = torch.cat([ids, new], 1), torch.cat([attn, torch.ones_like(new)], 1)
     with torch.no_grad():
-        scored = loop.token_logprobs(model, full, full_attn, temperature)[:, width - 1:]
+        scored = infra.token_logprobs(model, full, full_attn, temperature)[:, width - 1:]
         logits = model(input_ids=full, attention_mask=full_attn).logits[:, width - 1:-1]
     assert torch.allclose(scored, sampled, atol=1e-4)
     rank = (logits > logits.gather(-1, new[..., None])).sum(-1)  # how many tokens were likelier
@@ -466,7 +468,7 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
     assert any(max(e.turn) > 0 for e in carried)  # an episode that went on after a turn
     ids, attn, _, _ = loop.pad_batch(carried)
     with torch.no_grad():
-        scored = loop.token_logprobs(model, ids, attn, 1.0)
+        scored = infra.token_logprobs(model, ids, attn, 1.0)
     row_of = {id(e.ids): i for i, e in enumerate(carried)}
     unequal = stopped_early = 0
     for rows, logp in calls[:len(calls) // 2]:  # the carried rollout's calls
@@ -530,7 +532,7 @@ def test_sampling_with_the_carried_cache_equals_scoring_the_whole_episode(tiny, 
     assert len(calls) == 3 and all(1 + max(e.turn) == 3 for e in eps)
     ids, attn, _, _ = loop.pad_batch(eps)
     with torch.no_grad():
-        scored = loop.token_logprobs(model, ids, attn, 1.0)
+        scored = infra.token_logprobs(model, ids, attn, 1.0)
     for i, e in enumerate(eps):
         for turn, logp in enumerate(calls):
             where = [t for t, k in enumerate(e.turn) if k == turn]
@@ -642,7 +644,7 @@ def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_ro
 def _steps(envs, codes):
     """A turn's steps as rollout runs them: together."""
     import functools
-    return loop.concurrently([functools.partial(env.step, code) for env, code in zip(envs, codes)])
+    return infra.concurrently([functools.partial(env.step, code) for env, code in zip(envs, codes)])
 
 
 def test_a_turns_appworld_steps_run_together(appworld_root):
@@ -690,10 +692,10 @@ def _appworld_workers():
 
 
 def _no_idle_workers():
-    for worker, _ in loop.Hosted.idle:
+    for worker, _ in infra.Hosted.idle:
         worker.kill()
         worker.join(5)
-    loop.Hosted.idle.clear()
+    infra.Hosted.idle.clear()
 
 
 def test_a_rank_runs_the_worlds_of_one_wave_at_a_time(tiny, appworld_root, monkeypatch):
@@ -710,7 +712,7 @@ def test_a_rank_runs_the_worlds_of_one_wave_at_a_time(tiny, appworld_root, monke
     envs = [_appworld("5a0f1c2_1", 30.0, f"pytest-wave{k}") for k in range(10)]
     episodes = loop.rollout(tiny[1], tiny[2], envs, ["5a0f1c2_1"] * 10, cfg, 1.0, 1)
     assert len(alive) == 3 and max(alive) <= 4 and not any(e.failed for e in episodes)
-    assert len(loop.Hosted.idle) == 4 and _appworld_workers() == 4
+    assert len(infra.Hosted.idle) == 4 and _appworld_workers() == 4
 
 
 def test_worlds_that_do_not_start_cost_their_wave_one_deadline_and_count_as_failures(tiny, appworld_root,
@@ -722,15 +724,15 @@ def test_worlds_that_do_not_start_cost_their_wave_one_deadline_and_count_as_fail
     warm = _appworld("5a0f1c2_1", 30.0, "pytest-warm")  # a worker that has started a world
     warm.messages()
     warm.evaluate()
-    call, hung = loop.Hosted.call, []
+    call, hung = infra.Hosted.call, []
 
     def stopping(env, message, wait):  # by task, not by start order: the wave starts them at once
         if message[0] == "start" and env.task_id != "5a0f1c2_1":
             hung.append(env.worker)
             os.kill(env.worker.pid, signal.SIGSTOP)  # hung: alive, never answers
         return call(env, message, wait)
-    monkeypatch.setattr(loop.Hosted, "call", stopping)
-    monkeypatch.setattr(loop.Hosted, "WORLD_TIMEOUT", 6)
+    monkeypatch.setattr(infra.Hosted, "call", stopping)
+    monkeypatch.setattr(infra.Hosted, "WORLD_TIMEOUT", 6)
     monkeypatch.setattr(loop, "generate", scripted_policy(aw_policy))
     start = time.monotonic()
     try:
@@ -749,21 +751,23 @@ def test_worlds_that_do_not_start_cost_their_wave_one_deadline_and_count_as_fail
 INTERRUPTED = """
 import os, signal, sys, time
 sys.path.insert(0, {here!r})
+import infra
 import loop
+from chat import Chat
 
-def hang(env, message, wait, call=loop.Hosted.call):
+def hang(env, message, wait, call=infra.Hosted.call):
     if message[0] == "start":  # the world hangs while it starts: alive, never answers
         os.kill(env.worker.pid, signal.SIGSTOP)
         print(env.worker.pid, flush=True)
     return call(env, message, wait)
 
 if __name__ == "__main__":  # the workers' forkserver imports this module again
-    loop.Hosted.call = hang
+    infra.Hosted.call = hang
     cfg = loop.parse_config(["--tiny", "--env", "appworld", "--max-context", "4096"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    envs = [loop.Hosted(loop.AppWorldEnv, task, 30.0, "pytest-interrupted") for task in ("5a0f1c2_1", "9d3e7b4_1")]
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    envs = [infra.Hosted(loop.AppWorldEnv, task, 30.0, "pytest-interrupted") for task in ("5a0f1c2_1", "9d3e7b4_1")]
     try:
-        loop.rollout(model, loop.Chat(tok), envs, ["5a0f1c2_1", "9d3e7b4_1"], cfg, 1.0, 2)
+        loop.rollout(model, Chat(tok), envs, ["5a0f1c2_1", "9d3e7b4_1"], cfg, 1.0, 2)
     except KeyboardInterrupt:  # when the rollout gave it back; then the interpreter's own teardown
         print("interrupted", time.monotonic(), flush=True)
         raise
@@ -823,7 +827,7 @@ def test_an_error_in_a_rollout_kills_its_worlds_and_is_raised(tiny, appworld_roo
         loop.rollout(tiny[1], tiny[2], envs, ["5a0f1c2_1"] * 2, cfg, 1.0, 3)
     for env in envs:
         env.worker.join(5)
-    assert not any(env.worker.is_alive() for env in envs) and not loop.Hosted.idle
+    assert not any(env.worker.is_alive() for env in envs) and not infra.Hosted.idle
     assert _appworld_workers() == 0
 
 
@@ -903,7 +907,7 @@ def sampled_and_scored(model, chat, envs, cfg):
         episodes = loop.rollout(model, chat, envs, ["x"] * len(envs), cfg, 1.0, 8)
     ids, attn, _, _ = loop.pad_batch(episodes)
     with torch.no_grad():
-        scored = loop.token_logprobs(model, ids, attn, 1.0)
+        scored = infra.token_logprobs(model, ids, attn, 1.0)
     row_of = {id(e.ids): i for i, e in enumerate(episodes)}
     pairs, unequal, early = [], 0, 0
     for rows, logp in calls:
@@ -940,8 +944,8 @@ def test_what_generation_sampled_is_what_the_update_scores(name, tmp_path):
     gives the finished episode."""
     cfg = loop.parse_config(["--env", "tiny", "--model", make_family_model(name, tmp_path),
                              "--max-new-tokens", "10", "--batch-episodes", "3"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    chat = loop.Chat(tok, model.generation_config.eos_token_id)
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    chat = Chat(tok, model.generation_config.eos_token_id)
     chat.stop_ids = _frequent_stops(chat, 0.1, seed=0)
     torch.manual_seed(0)
     envs = [_Uneven(turns, words) for turns, words in [(4, 3), (6, 9), (5, 1), (4, 6), (6, 2)]]
@@ -956,13 +960,13 @@ def _sampling_worker(out, *folders):
     after a token or two and rank 1's running to 10 tokens (rank 0 joins its synced passes), and
     rank 1 playing a second wave while rank 0 has none. Writes each rank's worst difference."""
     import torch.distributed as dist
-    loop.start_distributed()
-    rank, result = loop.RANK, {}
+    infra.start_distributed()
+    rank, result = infra.RANK, {}
     for folder in folders:
         cfg = loop.parse_config(["--env", "tiny", "--model", folder, "--fsdp", "--max-new-tokens", "10",
                                  "--batch-episodes", "2"])
-        model, tok = loop.load_model_and_tokenizer(cfg)
-        chat = loop.Chat(tok, model.generation_config.eos_token_id)
+        model, tok = infra.load_model_and_tokenizer(cfg)
+        chat = Chat(tok, model.generation_config.eos_token_id)
         chat.stop_ids = _frequent_stops(chat, 0.5 if rank == 0 else 0.0, seed=rank)
         torch.manual_seed(rank)
         plays = [[(4, 3), (5, 8)], [(6, 2), (4, 7), (5, 1)]][rank]
@@ -1048,7 +1052,7 @@ def test_a_world_that_dies_mid_episode_leaves_its_group_and_counts_as_a_failure(
                               code_timeout=30.0, max_context=4096)
     made, advantages = [], []
 
-    class Recorded(loop.Hosted):
+    class Recorded(infra.Hosted):
         def __init__(self, *args):
             super().__init__(*args)
             made.append(self)
@@ -1064,7 +1068,7 @@ def test_a_world_that_dies_mid_episode_leaves_its_group_and_counts_as_a_failure(
     def recording(model, opt, episodes, adv, cfg):
         advantages.append(adv.tolist())
         return update(model, opt, episodes, adv, cfg)
-    monkeypatch.setattr(loop, "Hosted", Recorded)
+    monkeypatch.setattr(infra, "Hosted", Recorded)
     monkeypatch.setattr(loop, "generate", _scripted_turns(codes))
     monkeypatch.setattr(loop, "update", recording)
     model = copy.deepcopy(tiny[1])
@@ -1212,7 +1216,7 @@ def test_loss_gradient_reaches_only_sampled_tokens(tiny, episodes):
     cfg, model, chat = tiny
     eps = episodes[0]
     ids, attn, is_out, turn = loop.pad_batch(eps)
-    logp = loop.token_logprobs(model, ids, attn, 1.0).detach().requires_grad_(True)
+    logp = infra.token_logprobs(model, ids, attn, 1.0).detach().requires_grad_(True)
     loss, _ = loop.loop_loss(logp, logp.detach() - 0.05, torch.tensor([1.0, -1.0, 0.5, 2.0]),
                              is_out[:, 1:] & attn[:, 1:].bool(), turn[:, 1:])
     loss.sum().backward()
@@ -1224,7 +1228,7 @@ def _mean_output_logp(model, e):
     """Mean log-probability, at T = 1, of the tokens the policy sampled in episode e."""
     ids, attn, is_out, _ = loop.pad_batch([e])
     with torch.no_grad():
-        return loop.token_logprobs(model, ids, attn, 1.0)[is_out[:, 1:]].mean().item()
+        return infra.token_logprobs(model, ids, attn, 1.0)[is_out[:, 1:]].mean().item()
 
 
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
@@ -1236,7 +1240,7 @@ def test_one_update_moves_the_sampled_tokens_the_way_the_advantage_says(tiny, ep
     e = episodes[0][0]
     m = copy.deepcopy(model)
     before = _mean_output_logp(m, e)
-    trained, original = [], loop.token_logprobs
+    trained, original = [], infra.token_logprobs
 
     def recording(model, ids, attn, temperature):
         logp = original(model, ids, attn, temperature)
@@ -1244,7 +1248,7 @@ def test_one_update_moves_the_sampled_tokens_the_way_the_advantage_says(tiny, ep
             logp.retain_grad()
             trained.append(logp)
         return logp
-    monkeypatch.setattr(loop, "token_logprobs", recording)
+    monkeypatch.setattr(infra, "token_logprobs", recording)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0)
     one_step = loop.dataclasses.replace(cfg, epochs=1, minibatch_size=1, micro_batch_size=1)
     assert loop.update(m, opt, [e], torch.tensor([advantage]), one_step)["steps"] == 1
@@ -1291,7 +1295,7 @@ UPDATE_FLAGS = ["--tiny", "--epochs", "1", "--minibatch-size", "8", "--micro-bat
 
 def _model_and_adamw(lora, fsdp=False, flags=()):
     cfg = loop.parse_config(UPDATE_FLAGS + (["--lora"] if lora else []) + (["--fsdp"] if fsdp else []) + list(flags))
-    model, tok = loop.load_model_and_tokenizer(cfg)
+    model, tok = infra.load_model_and_tokenizer(cfg)
     # eps = 1: Adam's first step is then smooth in the gradient (with the default eps it is
     # lr * sign(g), which flips for gradients that are zero up to the order of a reduction)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, eps=1.0)
@@ -1302,10 +1306,10 @@ def _update_once(lora, fsdp=False, rollout_first=False):
     """One optimizer step on 8 synthetic rollouts (split by rank under FSDP), after a rollout
     that kept the weights gathered if rollout_first; returns a summary, the model and the optimizer."""
     cfg, model, tok, opt = _model_and_adamw(lora, fsdp, ["--rollout-full-weights"] * rollout_first)
-    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    eps, adv = _synthetic_episodes(Chat(tok))
     if rollout_first:
-        loop.rollout(model, loop.Chat(tok), [_Scripted(2)], ["x"], cfg, 1.0, 2)
-    rank, world = (loop.RANK, loop.WORLD)
+        loop.rollout(model, Chat(tok), [_Scripted(2)], ["x"], cfg, 1.0, 2)
+    rank, world = (infra.RANK, infra.WORLD)
     mine = list(range(rank, len(eps), world))  # whole rollouts per rank, as tasks are split
     stats = loop.update(model, opt, [eps[i] for i in mine], adv[mine], cfg)
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
@@ -1319,21 +1323,21 @@ def _fsdp_worker(out):
     updated model and its full state, uneven rollouts, and an evaluation gathered from both ranks."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    loop.start_distributed()
-    rank = loop.RANK
+    infra.start_distributed()
+    rank = infra.RANK
     result = {"lora": _update_once(True, fsdp=True)[0]}
     result["after_rollout"] = _update_once(False, fsdp=True, rollout_first=True)[0]
     result["lora_after_rollout"] = _update_once(True, fsdp=True, rollout_first=True)[0]
     result["gathers"] = _count_all_gathers_in_rollouts()
     result["full"], model, opt = _update_once(False, fsdp=True)
     folder = os.path.dirname(out)
-    loop.save_checkpoint(folder, model, opt, 1)
+    infra.save_checkpoint(folder, model, opt, 1)
     full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"model": full[0], "optim": full[1]}, os.path.join(folder, "full_state.pt"))
     cfg = loop.parse_config(["--tiny", "--fsdp", "--lora", "--bf16", "--batch-episodes", "2", "--max-new-tokens", "6"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    chat = loop.Chat(tok)
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    chat = Chat(tok)
     turns = [1] if rank == 0 else [4, 2, 3]  # rank 0 is done after one turn; rank 1 needs two batches per turn
     eps = loop.rollout(model, chat, [_Scripted(n) for n in turns], ["x"] * len(turns), cfg, 1.0, 6)
     result["turns"] = [1 + max(e.turn) for e in eps]
@@ -1367,8 +1371,8 @@ def _count_all_gathers_in_rollouts():
     for flags in ([], ["--rollout-full-weights"]):
         for tokens in (4, 16):
             cfg = loop.parse_config(["--tiny", "--fsdp", "--max-new-tokens", str(tokens), *flags])
-            model, tok = loop.load_model_and_tokenizer(cfg)
-            chat = loop.Chat(tok)
+            model, tok = infra.load_model_and_tokenizer(cfg)
+            chat = Chat(tok)
             chat.stop_ids = [len(tok)]  # every turn samples all its tokens
             gathers[0] = 0
             loop.rollout(model, chat, [_Scripted(2)], ["x"], cfg, 1.0, 2)
@@ -1407,8 +1411,8 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
         assert torch.allclose(saved["model"][name], p, atol=1e-6), name
     # The 2-rank checkpoint loads in one process: weights and AdamW state within 1e-6.
     cfg, fresh, _, opt = _model_and_adamw(False)
-    path, iteration = loop.last_checkpoint(str(tmp_path))
-    loop.load_checkpoint(path, fresh, opt, cfg)
+    path, iteration = infra.last_checkpoint(str(tmp_path))
+    infra.load_checkpoint(path, fresh, opt, cfg)
     assert iteration == 1
     from torch.distributed.checkpoint.state_dict import get_state_dict
     weights, adamw = get_state_dict(fresh, opt)
@@ -1431,8 +1435,8 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
 def test_micro_batches_accumulate_to_the_minibatch_gradient():
     import copy
     cfg = loop.parse_config(["--tiny", "--epochs", "1", "--minibatch-size", "8", "--lr", "1e-3"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    eps, adv = _synthetic_episodes(Chat(tok))
     results = []
     for micro in (1, 3, 8, 16):  # 16 > minibatch: one pass then holds the whole minibatch
         m = copy.deepcopy(model)
@@ -1456,8 +1460,8 @@ def test_the_gradient_clip_decides_the_size_of_a_large_step():
     """SGD at lr 1: the step is the clipped gradient, of norm grad_clip, while the gradient itself
     (grad_norm is logged before clipping) is far larger."""
     cfg = loop.parse_config(UPDATE_FLAGS + ["--grad-clip", "0.001"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    eps, adv = _synthetic_episodes(Chat(tok))
     before = [p.detach().clone() for p in model.parameters()]
     stats = loop.update(model, torch.optim.SGD(model.parameters(), lr=1.0), eps, adv, cfg)
     assert stats["steps"] == 1 and stats["grad_norm"] > 100 * cfg.grad_clip
@@ -1469,7 +1473,7 @@ def test_the_empty_pass_of_a_rank_without_rollouts_is_valid_for_every_ratio(kind
     """Under FSDP a rank that has run out of kept rollouts runs an empty pass to join the others'
     collectives: it must give a zero loss and no gradient for every ratio (--ratio turn raised)."""
     cfg = loop.parse_config(UPDATE_FLAGS + ["--ratio", kind])
-    model, tok = loop.load_model_and_tokenizer(cfg)
+    model, tok = infra.load_model_and_tokenizer(cfg)
     totals = loop.minibatch_backward(model, [], [[]], {}, torch.zeros(0), cfg)
     assert totals == [0.0, 0.0, 0, 0]
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
@@ -1480,8 +1484,8 @@ def _one_minibatch_twice():
     model after 1 epoch (one SGD step)."""
     import copy
     cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--micro-batch-size", "8"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    eps, adv = _synthetic_episodes(Chat(tok))
     one_step = copy.deepcopy(model)
     loop.update(one_step, torch.optim.SGD(one_step.parameters(), lr=0.1), eps, adv, dataclasses.replace(cfg, epochs=1))
     return cfg, model, eps, adv, one_step
@@ -1515,13 +1519,13 @@ def test_a_minibatch_whose_loss_is_not_finite_moves_no_weight(monkeypatch):
     """Two epochs of one minibatch; the second pass's log-probs turn NaN, as an overflow in the
     forward pass would make them: that step is skipped, and the weights are those of the first."""
     cfg, model, eps, adv, one_step = _one_minibatch_twice()
-    token_logprobs, passes = loop.token_logprobs, [0]
+    token_logprobs, passes = infra.token_logprobs, [0]
 
     def overflowing(model, ids, attn, temperature):
         logp = token_logprobs(model, ids, attn, temperature)
         passes[0] += logp.requires_grad  # the training passes, not the old log-probs
         return logp * math.nan if passes[0] == 2 and logp.requires_grad else logp
-    monkeypatch.setattr(loop, "token_logprobs", overflowing)
+    monkeypatch.setattr(infra, "token_logprobs", overflowing)
     stats = loop.update(model, torch.optim.SGD(model.parameters(), lr=0.1), eps, adv, cfg)
     assert passes[0] == 2 and stats["skipped_nan"] == 1 and stats["steps"] == 1
     _as_after_one_step(model, one_step)
@@ -1529,11 +1533,11 @@ def test_a_minibatch_whose_loss_is_not_finite_moves_no_weight(monkeypatch):
 
 def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     cfg = loop.parse_config(["--tiny", "--lora", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "8"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
+    model, tok = infra.load_model_and_tokenizer(cfg)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    eps, adv = _synthetic_episodes(loop.Chat(tok))
+    eps, adv = _synthetic_episodes(Chat(tok))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
     assert loop.update(model, opt, eps, adv, cfg)["steps"] == 1  # no weight decay: only a gradient moves them
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
@@ -1556,7 +1560,7 @@ def test_lora_trains_and_saves_only_the_adapter(tmp_path):
     r = _torchrun("loop.py", "--tiny", "--fsdp", "--eval", "--model", str(out / "model"), "--eval-max-turns", "1",
                   "--max-new-tokens", "4", "--out", str(tmp_path / "eval-fsdp"))
     assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr[-2000:]
-    (one,), (two,) = (loop.read_metrics(tmp_path / name / "metrics.jsonl") for name in ("eval", "eval-fsdp"))
+    (one,), (two,) = (infra.read_metrics(tmp_path / name / "metrics.jsonl") for name in ("eval", "eval-fsdp"))
     assert two["per_task"] == one["per_task"] and two["reward_mean"] == pytest.approx(one["reward_mean"])
     assert two["iteration"] == one["iteration"] == 1
     r = _cli("--tiny", "--model", str(out / "model"), "--out", str(tmp_path / "more"), cwd=elsewhere)
@@ -1715,7 +1719,7 @@ def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
     env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
-    code = "import loop; m, t = loop.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
+    code = "import infra, loop; m, t = infra.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
     r = _run_command([sys.executable, "-c", code], cwd=HERE, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.split()[-1] == "598", r.stderr[-1000:]
     assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
@@ -1760,8 +1764,8 @@ def biased_model(tiny, tmp_path_factory):
     saved.save_pretrained(path)
     chat.tok.save_pretrained(path)
     assert json.loads((path / "generation_config.json").read_text())["top_k"] == 20
-    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]))
-    return model, loop.Chat(tok, model.generation_config.eos_token_id)
+    model, tok = infra.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(path)]))
+    return model, Chat(tok, model.generation_config.eos_token_id)
 
 
 def test_only_the_stop_ids_of_the_hub_generation_config_are_kept(biased_model):
@@ -1777,7 +1781,7 @@ def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient():
     for chunk in (3, 10_000):  # many small chunks vs one chunk holding every position
         head = torch.nn.Linear(16, 50, bias=False)
         head.weight.data = torch.randn(50, 16, generator=torch.Generator().manual_seed(1))
-        loop.chunked_logprob_head(head, chunk)
+        infra.chunked_logprob_head(head, chunk)
         h = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
         y = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
         head.scoring = (y, 0.7, None)
@@ -1802,16 +1806,16 @@ def _one_read_worker(out, folder, *flags):
     buffers, and then the whole model gathered from the shards."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    loop.start_distributed()
-    rank = loop.RANK
-    loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]))  # imports done
+    infra.start_distributed()
+    rank = infra.RANK
+    infra.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", *flags]))  # imports done
     before = _rss_mb()
-    model, tok = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
+    model, tok = infra.load_model_and_tokenizer(loop.parse_config(["--tiny", "--fsdp", "--model", folder, *flags]))
     growth = _rss_mb("VmHWM") - before
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # (cpu_offload: rank 0 alone holds the gathered weights)
         torch.save(weights, out + ".weights")
-    stop_ids = loop.chat_of(model, tok).stop_ids
+    stop_ids = infra.chat_of(model, tok).stop_ids
     if rank == 1:
         torch.save({"buffers": dict(model.named_buffers()), "growth_mb": growth, "stop_ids": stop_ids,
                     "eos": model.generation_config.eos_token_id,
@@ -1847,7 +1851,7 @@ def test_under_fsdp_rank_0_alone_reads_the_weights(tmp_path, flags):
     assert 400 < size_mb < 600
     if not flags:  # (bf16 halves it: then the allocator's ~80 MB of slack would decide)
         assert got["growth_mb"] < 0.75 * size_mb, got["growth_mb"]  # measured 310; before, 500
-    single, _ = loop.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]))
+    single, _ = infra.load_model_and_tokenizer(loop.parse_config(["--tiny", "--model", folder, *flags]))
     assert got["eos"] == single.generation_config.eos_token_id == [tok.eos_token_id, 7]
     assert got["stop_ids"] == sorted({tok.eos_token_id, 7, tok.convert_tokens_to_ids("<|im_end|>")})
     expected = single.state_dict()
@@ -1891,7 +1895,7 @@ def test_bookkeeping_is_exact_with_the_qwen25_template(tiny, with_system):
     cfg, model, chat = tiny
     tok = copy.deepcopy(chat.tok)
     tok.chat_template = QWEN25_TEMPLATE
-    chat = loop.Chat(tok)
+    chat = Chat(tok)
     assert chat.pre == "\n<|im_start|>user\n" and chat.post == "<|im_end|>\n<|im_start|>assistant\n"
     envs = [tiny_world.TinyWorld(x, cfg.code_timeout) for x in ["payback02_1", "order04_2"]]
     if not with_system:
@@ -2045,7 +2049,7 @@ def _episode_and_rendering(chat, replies):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_chat_follows_the_family_template(name):
     tok, generation_eos = family_tokenizer(name)
-    chat = loop.Chat(tok, generation_eos)
+    chat = Chat(tok, generation_eos)
     assert chat.eot_text == FAMILIES[name]["eot"]
     assert chat.stop_ids == sorted(tok.convert_tokens_to_ids(STOP_IDS_OF[name]))
     folded = chat.fold_system  # the run says so in a note
@@ -2063,7 +2067,7 @@ def test_chat_follows_the_family_template(name):
 def test_an_observation_is_tokenized_where_it_stands(name):
     """With a SentencePiece-style tokenizer an observation tokenized as a text of its own starts
     with "▁"; in the conversation it follows the end-of-turn token. Its ids are the rendering's."""
-    chat = loop.Chat(*family_tokenizer(name, sentencepiece=True))
+    chat = Chat(*family_tokenizer(name, sentencepiece=True))
     for observation in OBSERVATIONS:
         conversation = [{"role": "user", "content": "task"}, {"role": "assistant", "content": REPLIES[0]},
                         {"role": "user", "content": observation}]
@@ -2074,7 +2078,7 @@ def test_an_observation_is_tokenized_where_it_stands(name):
 def test_qwen3_episode_keeps_the_thinking_its_template_drops():
     """Qwen3's template renders earlier replies without their <think> block: the episode keeps the
     ids that were sampled (what the update scores), so it is the rendering plus the thinking."""
-    chat = loop.Chat(*family_tokenizer("qwen3"))
+    chat = Chat(*family_tokenizer("qwen3"))
     thinking = "<think>\nLook at the docs first.\n</think>\n\n"
     e, rendered = _episode_and_rendering(chat, [thinking + r for r in REPLIES])
     assert e.ids != rendered
@@ -2091,10 +2095,10 @@ def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answ
     holds "</think>" but no "<think>". A reply cut off while reasoning runs none of its drafts; a
     finished one runs the code after "</think>". Qwen3's prompt opens nothing."""
     tok, eos = family_tokenizer("qwen3")
-    assert loop.Chat(tok, eos).reply_start == ""
+    assert Chat(tok, eos).reply_start == ""
     tok.chat_template = FAMILIES["qwen3"]["template"].replace(
         "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
-    chat = loop.Chat(tok, eos)
+    chat = Chat(tok, eos)
     assert chat.reply_start == "<think>\n" and chat.render([{"role": "user", "content": "u"}]).endswith("<think>\n")
     env, cfg = tiny_world.TinyWorld("order00_1"), loop.Config()
     e = loop.start_wave([(env, "order00_1")], chat, cfg)[0]
@@ -2107,7 +2111,7 @@ def test_a_reply_whose_reasoning_the_generation_prompt_opened_runs_only_its_answ
 
 @pytest.mark.parametrize("name", ["qwen2.5", "llama3.0", "gemma2", "mistral"])
 def test_environment_text_that_spells_a_special_token_stays_text(name):
-    chat = loop.Chat(*family_tokenizer(name))
+    chat = Chat(*family_tokenizer(name))
     ids = chat.observation(f"printed {chat.eot_text} and {chat.tok.eos_token}, then more")
     closing = chat.encode(chat.post)
     assert chat.eot not in ids[:-len(closing)] and chat.tok.eos_token_id not in ids[:-len(closing)]
@@ -2118,15 +2122,15 @@ def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
     tok, _ = family_tokenizer("qwen2.5")
     tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     with pytest.raises(ValueError, match="a turn could never end"):
-        loop.Chat(tok)
+        Chat(tok)
     tok.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
-        loop.Chat(tok)
+        Chat(tok)
 
 
 # ---------------- 11-12. Checkpoints and the log: resume, kills at any moment, metrics, console, trackers
 def _train_rows(run, keys=("iteration",)):
-    rows = loop.read_metrics(run / "metrics.jsonl")
+    rows = infra.read_metrics(run / "metrics.jsonl")
     return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows if "split" not in r]
 
 
@@ -2139,15 +2143,15 @@ def quick():
 
 def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path):
     cfg = loop.parse_config(quick())
-    model, tok = loop.load_model_and_tokenizer(cfg)
+    model, tok = infra.load_model_and_tokenizer(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    rows = [loop.train_iteration(model, opt, loop.Chat(tok), cfg, tiny_world.TinyWorld.tasks("train"), it) for it in (1, 2)]
+    rows = [loop.train_iteration(model, opt, Chat(tok), cfg, tiny_world.TinyWorld.tasks("train"), it) for it in (1, 2)]
     assert sum(r["steps"] for r in rows) > 0 and opt.state
-    loop.save_checkpoint(str(tmp_path), model, opt, 2)
-    fresh, _ = loop.load_model_and_tokenizer(cfg)  # the weights before training
+    infra.save_checkpoint(str(tmp_path), model, opt, 2)
+    fresh, _ = infra.load_model_and_tokenizer(cfg)  # the weights before training
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    path, iteration = loop.last_checkpoint(str(tmp_path))
-    loop.load_checkpoint(path, fresh, fresh_opt, cfg)
+    path, iteration = infra.last_checkpoint(str(tmp_path))
+    infra.load_checkpoint(path, fresh, fresh_opt, cfg)
     assert iteration == 2
     for (name, trained), loaded in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(trained, loaded), name
@@ -2166,7 +2170,7 @@ def test_fsdp_resumes_before_its_first_checkpoint_from_an_adamw_that_never_stepp
     flags = [*quick(), "--tasks-per-iteration", "4", "--fsdp", "--min-abs-advantage", "9"]
     r = _torchrun("test_loop.py", "kill_at", "train_iteration:1", *flags, "--iterations", "1", "--out", str(run))
     assert r.returncode != 0 and not (run / "checkpoint").exists()
-    assert [(row["iteration"], "split" in row) for row in loop.read_metrics(run / "metrics.jsonl")] == [(0, True)]
+    assert [(row["iteration"], "split" in row) for row in infra.read_metrics(run / "metrics.jsonl")] == [(0, True)]
     r = _torchrun("loop.py", "--resume", str(run))  # its config.json has --fsdp
     assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr[-3000:]  # none a user cannot act on
     from torch.distributed.checkpoint import FileSystemReader
@@ -2175,7 +2179,7 @@ def test_fsdp_resumes_before_its_first_checkpoint_from_an_adamw_that_never_stepp
     r = _torchrun("loop.py", "--resume", str(run), "--iterations", "2", "--min-abs-advantage", "0.01")
     assert r.returncode == 0, r.stderr[-3000:]
     loop.main(["--resume", str(run), "--no-fsdp", "--iterations", "3"])
-    rows = loop.read_metrics(run / "metrics.jsonl")
+    rows = infra.read_metrics(run / "metrics.jsonl")
     assert [(row["iteration"], "split" in row) for row in rows] == [
         (0, True), (1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]  # each once
     steps = _train_rows(run, ("steps", "loss", "grad_norm"))
@@ -2233,12 +2237,13 @@ def _kill_at(spec, argv):
         modeling.safe_save_file = _counted(modeling.safe_save_file, count)
     else:
         for name in EVENTS if where == "event" else [where]:
-            setattr(loop, name, _counted(getattr(loop, name), count))
+            owner = loop if hasattr(loop, name) else infra
+            setattr(owner, name, _counted(getattr(owner, name), count))
     loop.main(argv)
 
 
 def _logged(run):
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in loop.read_metrics(run / "metrics.jsonl")]
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in infra.read_metrics(run / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -2248,7 +2253,8 @@ def unbroken(tmp_path_factory):
     events = []
     with pytest.MonkeyPatch.context() as mp:
         for name in EVENTS:
-            mp.setattr(loop, name, _counted(getattr(loop, name), lambda: events.append(1)))
+            owner = loop if hasattr(loop, name) else infra
+            mp.setattr(owner, name, _counted(getattr(owner, name), lambda: events.append(1)))
         loop.main([*KILL_RUN, "--out", str(run)])
     rows = _logged(run)
     assert sum(row.get("steps", 0) for row in rows) > 0  # it learns: a checkpoint is more than its start
@@ -2286,7 +2292,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbro
             fh.write('{"iteration": 99, "reward_me')
     with warnings.catch_warnings():  # main() filters out DCP's one-process note; this test reads first
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        checkpoint, begin = loop.last_checkpoint(run)
+        checkpoint, begin = infra.last_checkpoint(run)
     loop.main(["--resume", str(run)])
     assert _logged(run) == rows, where  # every iteration once, with the unbroken run's numbers
     said = capsys.readouterr().err
@@ -2339,7 +2345,7 @@ def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_chan
     def unreadable(*args):
         raise RuntimeError("a checkpoint that cannot be read")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "load_checkpoint", unreadable)
+        mp.setattr(infra, "load_checkpoint", unreadable)
         with pytest.raises(RuntimeError):
             loop.main(["--resume", str(run), "--iterations", "2"])
     assert (run / "config.json").read_text() == config
@@ -2355,7 +2361,7 @@ def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_chan
         loop.main(["--resume", str(run), "--iterations", "2"])
     assert f"resuming {run} from iteration 1" in capsys.readouterr().err
     assert json.loads((run / "config.json").read_text())["iterations"] == 2
-    final = loop.read_metrics(run / "metrics.jsonl")[-1]
+    final = infra.read_metrics(run / "metrics.jsonl")[-1]
     assert final["split"] == "test" and final["seconds"] <= spans[-1] + 0.01  # its own, not the process's
     loop.main(["--resume", str(run), "--iterations", "2"])
     assert capsys.readouterr().err.strip() == f"{run} is finished (2 iterations): nothing to do"
@@ -2391,7 +2397,7 @@ def test_the_console_shows_a_short_line_per_row_and_the_tracker_every_number(tmp
     assert lines[1].startswith("iteration 1: reward ") and " TGC " in lines[2]
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
-    rows = loop.read_metrics(run / "metrics.jsonl")
+    rows = infra.read_metrics(run / "metrics.jsonl")
     for tag, key, split in [("train/reward_mean", "reward_mean", None), ("train/kl", "kl", None),
                             ("train/grad_norm", "grad_norm", None), ("test/tgc", "tgc", "test")]:
         logged = [(s.step, s.value) for s in events.Scalars(tag)]
@@ -2413,7 +2419,7 @@ def test_trackers_hold_each_iteration_once_after_a_resume(tmp_path):
     loop.main(["--resume", str(run)])
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
-    rows = loop.read_metrics(run / "metrics.jsonl")
+    rows = infra.read_metrics(run / "metrics.jsonl")
     for tag, split in [("train/reward_mean", None), ("test/tgc", "test")]:
         steps = [s.step for s in events.Scalars(tag)]
         assert steps == [r["iteration"] for r in rows if r.get("split") == split] == sorted(set(steps)), tag
@@ -2435,7 +2441,7 @@ def test_wandb_logs_offline_unless_configured_with_the_iteration_as_step(tmp_pat
     loop.main([*quick(), "--iterations", "1", "--track", "wandb", "--out", str(run)])
     (_, init), *logs = calls
     assert init["mode"] == "offline" and init["dir"] == str(run) and init["config"]["track"] == "wandb"
-    rows = loop.read_metrics(run / "metrics.jsonl")
+    rows = infra.read_metrics(run / "metrics.jsonl")
     assert [step for _, step, _ in logs] == [r["iteration"] for r in rows] == [0, 1, 1]
     assert logs[1][2]["train/reward_mean"] == pytest.approx(rows[1]["reward_mean"])
     calls.clear()  # a resume continues the same wandb run, whose id the run directory keeps
@@ -2451,24 +2457,24 @@ def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_n
     the iteration-0 evaluation, and both ran into it). Two runs started in the same second without
     --out get a directory each; a failed start leaves none."""
     run = tmp_path / "run"
-    first, _ = loop.claim(loop.parse_config(["--tiny", "--out", str(run)]))  # a run starting up
+    first, _ = infra.claim(loop.parse_config(["--tiny", "--out", str(run)]))  # a run starting up
     assert first == str(run) and json.loads((run / "config.json").read_text())["out"] == str(run)
 
     def loading(cfg):
         raise AssertionError("the model was loaded")
     with monkeypatch.context() as mp:
-        mp.setattr(loop, "load_model_and_tokenizer", loading)
+        mp.setattr(infra, "load_model_and_tokenizer", loading)
         code, err = _error(capsys, "--tiny", "--out", str(run))
     assert code == 2 and f"{run} already holds a run: continue it with --resume {run}" in err
     with monkeypatch.context() as mp:
         mp.setattr(time, "strftime", lambda *args: "20261204-184601")
-        claims = [loop.claim(loop.parse_config(["--tiny"])) for _ in range(3)]
+        claims = [infra.claim(loop.parse_config(["--tiny"])) for _ in range(3)]
         code, _ = _error(capsys, "--tiny", "--model", str(tmp_path / "nothing"))  # a start that fails
     assert [path for path, _ in claims] == ["runs/20261204-184601", "runs/20261204-184601-2", "runs/20261204-184601-3"]
     assert code == 2 and sorted(os.listdir("runs")) == ["20261204-184601", "20261204-184601-2", "20261204-184601-3"]
     # an evaluation is named after what it evaluates (a run's model/: in that run), a second one too
     models = [str(run / "model"), str(run / "model"), os.path.join(HERE, "assets", "tiny-model")]
-    evaluations = [loop.claim(loop.parse_config(["--tiny", "--eval", "--model", m]))[0] for m in models]
+    evaluations = [infra.claim(loop.parse_config(["--tiny", "--eval", "--model", m]))[0] for m in models]
     assert evaluations == [str(run / "eval-test"), str(run / "eval-test-2"), "runs/eval-tiny-model-test"]
     (tmp_path / "together").mkdir()
     started = [subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--iterations", "0", "--seed",
@@ -2478,7 +2484,7 @@ def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_n
     assert all(proc.returncode == 0 for proc in started), outputs
     runs = sorted(p for p in (tmp_path / "together" / "runs").iterdir())
     assert len(runs) == 2 and sorted(json.loads((p / "config.json").read_text())["seed"] for p in runs) == [1, 2]
-    assert all(len(loop.read_metrics(p / "metrics.jsonl")) == 1 for p in runs)
+    assert all(len(infra.read_metrics(p / "metrics.jsonl")) == 1 for p in runs)
 
 
 def _files(folder):
@@ -2553,10 +2559,10 @@ def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_pr
     heads = re.findall(r"^=== (\w+): \d of \d checks passed$", shown, flags=re.M)
     assert heads == ["order00_1", "payback00_1", "phone00_1"]  # spread over the split's scenarios
     # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
-    _, tok = loop.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]))
-    _, shipped = loop.load_pretrained(loop.parse_config(["--tiny"]))
+    _, tok = infra.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]))
+    _, shipped = infra.load_pretrained(loop.parse_config(["--tiny"]))
     text = fence(make_tiny_model.demo(random.Random(0))[1][0])
-    assert loop.Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == loop.Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
+    assert Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
     assert tok(text)["input_ids"] == shipped(text)["input_ids"]
     assert suggested[2:] == ["--tiny", "--eval", "--model", str(out / "model")]
     loop.main(suggested[2:])  # written beside the run's own files, in RUN/eval-<split>
@@ -2570,8 +2576,10 @@ def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_pr
 SUM_WORLD = '''
 import sys
 sys.path.insert(0, {here!r})
+import infra
 import loop
 import tiny_world
+from chat import Chat
 
 
 class SumWorld:
@@ -2615,7 +2623,7 @@ def test_a_new_environment_with_only_the_required_members_trains_as_module_colon
     r = _run_command([sys.executable, os.path.join(HERE, "loop.py"), *small, "--env", "sum_world:SumWorld",
                       "--iterations", "1", "--out", "run"], timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    train, final = [r for r in loop.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
+    train, final = [r for r in infra.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
     assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
     assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
     assert "tools/play.py --env sum_world:SumWorld --model run/model --task sum0_1" in r.stderr
@@ -2626,7 +2634,7 @@ def test_a_new_environment_with_only_the_required_members_trains_as_module_colon
     r = _run_command([sys.executable, "my_world.py", *small, "--env", "sum", "--iterations", "0", "--out", "reg"],
                      timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert [row["tasks"] for row in loop.read_metrics(tmp_path / "reg" / "metrics.jsonl")] == [4]
+    assert [row["tasks"] for row in infra.read_metrics(tmp_path / "reg" / "metrics.jsonl")] == [4]
 
 
 @pytest.mark.parametrize("env, message", [
@@ -2674,7 +2682,7 @@ def test_a_run_whose_every_world_fails_stops_with_the_first_worlds_error(tmp_pat
     that gives the world's own error and what to do, exit code 1 (before, it went on for all its
     iterations, training on nothing); the worlds' failure was said once, not once an episode."""
     monkeypatch.setitem(loop.ENVS, "broken", _Broken)
-    monkeypatch.setattr(loop.Hosted, "said", set())
+    monkeypatch.setattr(infra.Hosted, "said", set())
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as stop:
         loop.main([*quick(), "--env", "broken", "--iterations", "3", "--out", str(run)])
@@ -2685,7 +2693,7 @@ def test_a_run_whose_every_world_fails_stops_with_the_first_worlds_error(tmp_pat
     assert [line for line in err if line.startswith("note: ")] == [
         "note: _Broken.step raised NameError: name 'undefined' is not defined: its episode fails as the world's "
         "(said once)"]
-    assert [row["iteration"] for row in loop.read_metrics(run / "metrics.jsonl")] == [0]  # its evaluation held up
+    assert [row["iteration"] for row in infra.read_metrics(run / "metrics.jsonl")] == [0]  # its evaluation held up
     with pytest.raises(SystemExit) as stop:
         loop.main([*quick(), "--env", "broken", "--eval", "--split", "broken", "--out", str(tmp_path / "eval")])
     assert stop.value.code == 1 and "every world failed in the evaluation of broken (2 episodes)" in capsys.readouterr().err
@@ -2776,29 +2784,29 @@ def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_firs
     cfg = loop.parse_config(["--fsdp", "--bf16", "--lora", "--activation-checkpointing", "--train-split", "train_paper",
                              "--split", "dev", "--micro-batch-size", "1"])
     assert cfg.model == "Qwen/Qwen2.5-32B-Instruct" and cfg.max_context == 32768 and cfg.batch_episodes == 6
-    loop.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)  # fits: nothing happens
+    infra.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)  # fits: nothing happens
     free["bytes"] = 30 * 2**30
     with pytest.raises(SystemExit) as stop:
-        loop.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)
+        infra.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1
     assert "6 episodes of up to 32768 tokens needs 48.0 GiB" in err and "set --batch-episodes 3 or lower" in err
     with pytest.raises(SystemExit):  # the old default
-        loop.check_kv_cache(dataclasses.replace(cfg, batch_episodes=256), qwen32b, 30)
+        infra.check_kv_cache(dataclasses.replace(cfg, batch_episodes=256), qwen32b, 30)
     free["bytes"] = 4 * 2**30  # not one episode at the cap
     with pytest.raises(SystemExit):
-        loop.check_kv_cache(cfg, qwen32b, 1)
+        infra.check_kv_cache(cfg, qwen32b, 1)
     assert "set --max-context 16384 or lower" in capsys.readouterr().err
     for wave in (1, 6, 5):  # what it says to set fits its wave (before, 6 were told the cap of 1)
         with pytest.raises(SystemExit):
-            loop.check_kv_cache(cfg, qwen32b, wave)
+            infra.check_kv_cache(cfg, qwen32b, wave)
         flag, value = re.search(r"set (--[\w-]+) (\d+) or lower", capsys.readouterr().err).groups()
         applied = dataclasses.replace(cfg, **{flag[2:].replace("-", "_"): int(value)})
-        loop.check_kv_cache(applied, qwen32b, min(wave, applied.batch_episodes))  # fits: nothing happens
+        infra.check_kv_cache(applied, qwen32b, min(wave, applied.batch_episodes))  # fits: nothing happens
     # gathered for sampling, the 65 GB of bf16 weights leave no room for one episode on 80 GB
     free["bytes"] = int(80e9 - 8.4e9)
     with pytest.raises(SystemExit):
-        loop.check_kv_cache(dataclasses.replace(cfg, rollout_full_weights=True), qwen32b, 1)
+        infra.check_kv_cache(dataclasses.replace(cfg, rollout_full_weights=True), qwen32b, 1)
     assert "--max-context" in capsys.readouterr().err
 
 
@@ -2810,10 +2818,10 @@ def test_a_run_whose_wave_cannot_fit_the_gpu_stops_before_its_first_rollout(qwen
     directory. The wave it checks is what a rollout plays: --tiny's 6 tasks x 12 rollouts, at most
     --batch-episodes; an evaluation-only run its 27 test tasks."""
     from transformers import AutoTokenizer
-    monkeypatch.setattr(loop, "DEVICE", torch.device("cuda"))
+    monkeypatch.setattr(infra, "DEVICE", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (2**30, int(80e9)))
     tok = AutoTokenizer.from_pretrained(SHIPPED)
-    monkeypatch.setattr(loop, "load_model_and_tokenizer", lambda cfg: (qwen32b, tok))
+    monkeypatch.setattr(infra, "load_model_and_tokenizer", lambda cfg: (qwen32b, tok))
     monkeypatch.setattr(loop, "rollout", None)  # a rollout would raise: 'NoneType' is not callable
     with pytest.raises(SystemExit) as stop:
         loop.main(["--tiny", *flags, "--out", str(tmp_path / "run")])
@@ -2864,7 +2872,7 @@ def test_a_rank_with_no_task_joins_the_others_and_the_run_finishes(tmp_path):
     r = _torchrun("loop.py", *quick(), "--fsdp", "--env", "one_task_world:OneTaskWorld", "--tasks-per-iteration", "1",
                   "--iterations", "1", "--out", "run", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = loop.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rows = infra.read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [(row["iteration"], row.get("per_task")) for row in rows] == [
         (0, {"order00_1": False}), (1, None), (1, {"order00_1": False})]
     assert rows[1]["turns_mean"] >= 1 and rows[1]["env_failures"] == 0  # rank 0's 4 rollouts played
@@ -2957,7 +2965,7 @@ def test_an_idle_worker_that_died_is_replaced_not_handed_out(appworld_root):
     env = _appworld("5a0f1c2_1", 60.0, "pytest-idle-a")
     env.messages()
     env.step(aw_solution("5a0f1c2_1", True))
-    assert env.evaluate() == (4, 4) and loop.Hosted.idle[-1][0] is env.worker  # waits idle
+    assert env.evaluate() == (4, 4) and infra.Hosted.idle[-1][0] is env.worker  # waits idle
     env.worker.kill()  # dies while it waits
     env.worker.join(5)
     again = _appworld("5a0f1c2_1", 60.0, "pytest-idle-b")
@@ -2965,7 +2973,7 @@ def test_an_idle_worker_that_died_is_replaced_not_handed_out(appworld_root):
     assert again.worker is not env.worker and again.worker.is_alive()
     again.step(aw_solution("5a0f1c2_1", True))
     assert again.evaluate() == (4, 4) and not again.failed
-    assert all(worker.is_alive() for worker, _ in loop.Hosted.idle)
+    assert all(worker.is_alive() for worker, _ in infra.Hosted.idle)
 
 
 def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypatch):
@@ -2981,10 +2989,10 @@ def test_threads_that_take_idle_workers_at_once_never_take_the_same_one(monkeypa
             n = super().__len__()
             time.sleep(0.05)  # the other thread runs meanwhile
             return n
-    monkeypatch.setattr(loop.Hosted, "idle", SlowPool([(Worker(), "idle")]))
-    monkeypatch.setattr(loop.Hosted, "start_worker", lambda self: (Worker(), "new"))
-    worlds = [loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in range(2)]
-    taken = loop.concurrently([world.take_worker for world in worlds])
+    monkeypatch.setattr(infra.Hosted, "idle", SlowPool([(Worker(), "idle")]))
+    monkeypatch.setattr(infra.Hosted, "start_worker", lambda self: (Worker(), "new"))
+    worlds = [infra.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in range(2)]
+    taken = infra.concurrently([world.take_worker for world in worlds])
     assert sorted(conn for _, conn in taken) == ["idle", "new"]
 
 
@@ -3115,11 +3123,11 @@ def test_agent_code_that_cannot_be_stopped_from_inside_fails_its_world_in_time_a
     cfg = dataclasses.replace(tiny[0], batch_episodes=8)
     codes = [*UNSTOPPABLE.values(), "print(apis.supervisor.wishlist())"]
     monkeypatch.setattr(loop, "generate", _scripted_turns(lambda turn: codes))
-    worlds = [loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in codes]
+    worlds = [infra.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest") for _ in codes]
     started = time.monotonic()
     episodes = loop.rollout(tiny[1], tiny[2], worlds, ["order00_1"] * len(codes), cfg, 1.0, 1)
     seconds = time.monotonic() - started
-    assert seconds < 1.0 + loop.Hosted.MARGIN + 3, seconds
+    assert seconds < 1.0 + infra.Hosted.MARGIN + 3, seconds
     assert [e.failed for e in episodes] == [True, True, True, False]
     assert all(e.transcript[-1]["content"].startswith("Environment failed") for e in episodes[:3])
     assert episodes[3].transcript[-1]["content"] == str(loop.TinyWorld("order00_1").wishlist)
@@ -3127,7 +3135,7 @@ def test_agent_code_that_cannot_be_stopped_from_inside_fails_its_world_in_time_a
         world.worker.join(5)
         assert not world.worker.is_alive()  # killed, not left running
     monkeypatch.setattr(loop, "generate", scripted_policy(tiny_solution))
-    again = [loop.Hosted(loop.TinyWorld, task, 1.0, "pytest") for task in ("order00_1", "phone00_1")]
+    again = [infra.Hosted(loop.TinyWorld, task, 1.0, "pytest") for task in ("order00_1", "phone00_1")]
     assert [e.success for e in loop.rollout(tiny[1], tiny[2], again, ["order00_1", "phone00_1"], cfg, 1.0, 3)] == [True] * 2
 
 
@@ -3186,8 +3194,8 @@ def test_what_a_world_returns_is_checked_where_it_runs(bad, refused, monkeypatch
     member and the value, said once a run; the worker closes the world and serves the next. Text
     that is no valid UTF-8 (an escaped emoji printed) is made valid, not a crash. Before: a reward
     above 1, a NaN, the placeholder prompt trained on, or a traceback hours into a run."""
-    monkeypatch.setattr(loop.Hosted, "said", set())
-    worlds = [loop.Hosted(_Misbehaving, "a_1", 1.0, bad) for _ in range(2)]
+    monkeypatch.setattr(infra.Hosted, "said", set())
+    worlds = [infra.Hosted(_Misbehaving, "a_1", 1.0, bad) for _ in range(2)]
     for world in worlds:
         opening, output, result = world.messages(), world.step("print(1)"), world.evaluate()
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
@@ -3272,22 +3280,23 @@ def test_a_killed_trainer_leaves_nothing_running(tmp_path, sig):
         left = _descendants(proc.pid)  # the forkserver, the workers, the resource tracker
         proc.send_signal(sig)
         started = time.monotonic()
-        proc.communicate(timeout=1 + loop.Hosted.MARGIN + 4)  # every holder of the output gone
+        proc.communicate(timeout=1 + infra.Hosted.MARGIN + 4)  # every holder of the output gone
         seconds = time.monotonic() - started
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if not all(map(_gone, [proc.pid, *left])) else None
-    assert len(left) >= 4 and seconds < 1 + loop.Hosted.MARGIN + 2, (left, seconds)
+    assert len(left) >= 4 and seconds < 1 + infra.Hosted.MARGIN + 2, (left, seconds)
     assert all(_gone(pid) for pid in left)
 
 
 FIRST_ANSWERS = """
 import sys, time
 sys.path.insert(0, {here!r})
+import infra
 import loop
 
 if __name__ == "__main__":
     for _ in range(5):
-        world = loop.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest")
+        world = infra.Hosted(loop.TinyWorld, "order00_1", 1.0, "pytest")
         started = time.monotonic()
         world.messages()
         print(time.monotonic() - started, flush=True)
@@ -3491,7 +3500,7 @@ def test_make_tiny_model_is_deterministic_for_a_seed(tmp_path):
     assert len(losses) == 5 and losses == again and losses != other
     assert weights.keys() == weights_again.keys()
     assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
-    model, tok = loop.load_pretrained(loop.parse_config(["--tiny", "--model", str(tmp_path / "a")]))
+    model, tok = infra.load_pretrained(loop.parse_config(["--tiny", "--model", str(tmp_path / "a")]))
     shape = {k: getattr(model.config, k) for k in make_tiny_model.SHAPE}
     assert shape == make_tiny_model.SHAPE and model.config.vocab_size == len(tok)
 
@@ -3655,7 +3664,7 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     for name in names:
         cfg = json.loads((tmp_path / name / "config.json").read_text())
         assert cfg["model"] == SHIPPED and cfg["iterations"] == 2 and cfg["seed"] == 0
-        assert [r["iteration"] for r in loop.read_metrics(tmp_path / name / "metrics.jsonl")] == [0, 1, 2, 2]
+        assert [r["iteration"] for r in infra.read_metrics(tmp_path / name / "metrics.jsonl")] == [0, 1, 2, 2]
     assert json.loads((tmp_path / "rwnorm-0" / "config.json").read_text())["normalize_rewards"]
     assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
     table = (tmp_path / "ablation.md").read_text().splitlines()
@@ -3666,7 +3675,7 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     calls.clear()
     ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
     assert calls == [["--resume", str(tmp_path / "turn-0"), "--iterations", "2"]]
-    assert [r["iteration"] for r in loop.read_metrics(tmp_path / "turn-0" / "metrics.jsonl")] == [0, 1, 2, 2]
+    assert [r["iteration"] for r in infra.read_metrics(tmp_path / "turn-0" / "metrics.jsonl")] == [0, 1, 2, 2]
 
 
 def test_plot_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):

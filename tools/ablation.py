@@ -21,6 +21,7 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import infra  # noqa: E402
 import loop  # noqa: E402
 
 VARIANTS = {  # (ratio, normalize_rewards): (run name, label)
@@ -67,7 +68,7 @@ def finished_runs(root):
             continue  # not a run directory
         with open(config) as fh:
             cfg = json.load(fh)
-        rows = loop.read_metrics(metrics)
+        rows = infra.read_metrics(metrics)
         curve = {r["iteration"]: r for r in rows if "split" in r}
         if cfg["iterations"] and max(curve, default=-1) == cfg["iterations"]:
             training = [r for r in rows if "split" not in r]
@@ -132,10 +133,10 @@ def report(root):
     """Two tables, to stdout and DIR/ablation.md: each variant over its seeds (mean, lowest and
     highest seed in brackets), then every run; the learning curves to DIR/ablation.png."""
     if not os.path.isdir(root):
-        loop.die(f"--report: no directory {root}")
+        infra.die(f"--report: no directory {root}")
     runs = finished_runs(root)
     if not runs:
-        loop.die(f"--report: no finished runs (config.json and metrics.jsonl) under {root}")
+        infra.die(f"--report: no finished runs (config.json and metrics.jsonl) under {root}")
     order = sorted(runs, key=lambda key: list(VARIANTS).index(key) if key in VARIANTS else 99)
     figures = {key: [{"seed": seed, **seed_figures(curve, rows)} for seed, curve, rows in runs[key]]
                for key in order}

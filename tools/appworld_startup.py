@@ -14,7 +14,9 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import infra  # noqa: E402
 import loop  # noqa: E402
+from chat import Chat  # noqa: E402
 
 
 def main(argv):
@@ -26,8 +28,8 @@ def main(argv):
     args = parser.parse_args(argv)
     cfg = loop.parse_config(["--tiny", "--env", "appworld", "--max-new-tokens", "4",
                              "--max-context", "4096"])
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    chat = loop.Chat(tok, model.generation_config.eos_token_id)
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    chat = Chat(tok, model.generation_config.eos_token_id)
     tasks = loop.AppWorldEnv.tasks(args.split)
     tasks = [tasks[i % len(tasks)] for i in range(args.episodes)]
     generate = loop.generate
@@ -40,7 +42,7 @@ def main(argv):
     for iteration in range(args.iterations):
         first.clear()
         start = time.monotonic()
-        envs = [loop.Hosted(loop.AppWorldEnv, task, cfg.code_timeout, f"startup-{iteration}-{i}")
+        envs = [infra.Hosted(loop.AppWorldEnv, task, cfg.code_timeout, f"startup-{iteration}-{i}")
                 for i, task in enumerate(tasks)]
         loop.rollout(model, chat, envs, tasks, cfg, 1.0, 1)
         print(f"iteration {iteration}: first generated token after {first[0] - start:.1f} s "

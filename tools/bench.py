@@ -20,7 +20,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import infra  # noqa: E402
 import loop  # noqa: E402
+from chat import Chat  # noqa: E402
 import tiny_world  # noqa: E402
 from make_tiny_model import sft_step  # noqa: E402
 
@@ -66,7 +68,7 @@ def proc_status(key):
 def logprob_workload(chunk, device):
     """Log-probs of 8192 tokens under a 151,936-token vocabulary, forward and backward."""
     head = torch.nn.Linear(64, VOCAB, bias=False, device=device)
-    loop.chunked_logprob_head(head, chunk)
+    infra.chunked_logprob_head(head, chunk)
     hidden = torch.randn(1, TOKENS, 64, device=device, requires_grad=True)
     head.scoring = (torch.randint(0, VOCAB, (1, TOKENS), device=device), 1.0, None)
 
@@ -78,8 +80,8 @@ def logprob_workload(chunk, device):
 def training_workloads(cfg, device):
     """A LOOP update and a plain fine-tuning step on the same 8 rollouts of 512 tokens (4 turns:
     64 context tokens, then 64 sampled ones), and the model and chat they use."""
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    chat = loop.Chat(tok, model.generation_config.eos_token_id)
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    chat = Chat(tok, model.generation_config.eos_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     is_output = [t % 128 >= 64 for t in range(512)]
     turn = [t // 128 if o else -1 for t, o in enumerate(is_output)]
@@ -210,7 +212,7 @@ class BusyWorld:
 
 
 def env_parallel_speedup():
-    """4 episodes' steps of 1 s of CPU each: one after another / together (loop.concurrently)."""
+    """4 episodes' steps of 1 s of CPU each: one after another / together (infra.concurrently)."""
     pool = multiprocessing.get_context("spawn").Pool(4)
     worlds = [BusyWorld(pool) for _ in range(4)]
     pool.map(busy, [0.1] * 4)  # the processes are up before anything is timed
@@ -221,7 +223,7 @@ def env_parallel_speedup():
             world.step("")
         one_by_one = time.perf_counter() - start
         start = time.perf_counter()
-        loop.concurrently([functools.partial(world.step, "") for world in worlds])
+        infra.concurrently([functools.partial(world.step, "") for world in worlds])
         ratios.append(one_by_one / (time.perf_counter() - start))
     pool.close()
     pool.join()

@@ -27,7 +27,9 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import infra  # noqa: E402
 import loop  # noqa: E402
+from chat import Chat  # noqa: E402
 import tiny_world  # noqa: E402
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -203,7 +205,7 @@ def sft_step(model, opt, episodes, grad_clip):
     ids, attn, is_output, _ = loop.pad_batch(episodes)
     mask = (is_output[:, 1:] & attn[:, 1:].bool()).float()
     opt.zero_grad(set_to_none=True)
-    loss = -(loop.token_logprobs(model, ids, attn, 1.0) * mask).sum() / mask.sum()
+    loss = -(infra.token_logprobs(model, ids, attn, 1.0) * mask).sum() / mask.sum()
     loss.backward()
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -249,13 +251,13 @@ def main(argv):
     parser.add_argument("--lr", type=float, default=3e-3, help="the warm-up's peak learning rate")
     args = parser.parse_args(argv)
     if args.drills < 0 or args.demos < 0 or not args.lr > 0:
-        loop.die("--drills and --demos must be >= 0 and --lr > 0")
+        infra.die("--drills and --demos must be >= 0 and --lr > 0")
     started = time.time()
     cfg = loop.parse_config(["--tiny"])  # the episodes' limits of the run the model is made for
     torch.manual_seed(args.seed)
     tok = build_tokenizer(corpus())
     model = random_model(tok, args.shape)
-    loop.chunked_logprob_head(model.get_output_embeddings(), cfg.logprob_chunk)  # token_logprobs
+    infra.chunked_logprob_head(model.get_output_embeddings(), cfg.logprob_chunk)  # token_logprobs
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "make_tiny_model.jsonl"), "w") as fh:
         fh.write(json.dumps({"args": vars(args)}) + "\n")
@@ -263,7 +265,7 @@ def main(argv):
         def log(row):
             fh.write(json.dumps(row) + "\n")
 
-        drilled = warmup(model, loop.Chat(tok), cfg, args, log)
+        drilled = warmup(model, Chat(tok), cfg, args, log)
         print(f"warm-up: {drilled} drill steps", flush=True)
         log({"drill_steps": drilled, "seconds": round(time.time() - started, 1)})
     model.save_pretrained(args.out)

@@ -26,6 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import infra  # noqa: E402
 import loop  # noqa: E402
 
 
@@ -37,7 +38,7 @@ def read_solution(path, tasks):
     try:
         text = open(path).read()
     except OSError as e:
-        loop.die(f"cannot read the solution {path}: {e.strerror}")
+        infra.die(f"cannot read the solution {path}: {e.strerror}")
     sections, prefix, in_code = {"": ""}, "", False
     for line in text.splitlines(keepends=True):
         in_code = in_code != line.startswith("```")  # a comment "## x" in code is code
@@ -46,27 +47,27 @@ def read_solution(path, tasks):
             continue
         header = re.fullmatch(r"## +(\S+)\s*", line)
         if not header:
-            loop.die(f"{path}: {line.strip()!r} is not a section header: write '## PREFIX' (a "
+            infra.die(f"{path}: {line.strip()!r} is not a section header: write '## PREFIX' (a "
                      "task, a scenario or a family), with a space")
         prefix = header.group(1)
         if prefix in sections:
-            loop.die(f"{path} has the section '## {prefix}' twice")
+            infra.die(f"{path} has the section '## {prefix}' twice")
         if not any(task.startswith(prefix) for task in tasks):
-            loop.die(f"{path}: '## {prefix}' matches no task of the world")
+            infra.die(f"{path}: '## {prefix}' matches no task of the world")
         sections[prefix] = ""
     solution = {prefix: re.findall(loop.CODE_BLOCK, part, flags=re.S)
                 for prefix, part in sections.items()}
     empty = [prefix for prefix, turns in solution.items() if prefix and not turns]
     if empty or not any(solution.values()):
         where = f"its section '## {empty[0]}'" if empty else "it"
-        loop.die(f"{path}: {where} holds no ```python block: each block is one turn's code")
+        infra.die(f"{path}: {where} holds no ```python block: each block is one turn's code")
     return {prefix: turns for prefix, turns in solution.items() if turns}
 
 
 def turns_for(solution, task_id, path):
     matches = [prefix for prefix in solution if task_id.startswith(prefix)]
     if not matches:
-        loop.die(f"{path} has no turns for task {task_id!r}: add a '## {task_id}' section")
+        infra.die(f"{path} has no turns for task {task_id!r}: add a '## {task_id}' section")
     return solution[max(matches, key=len)]
 
 
@@ -76,7 +77,7 @@ def play_solution(env, turns, cfg):
     episodes and, per task, the blocks that did not play because the world was done before them."""
     episodes, unplayed = [], {}
     for task_id, codes in turns.items():
-        world = loop.Hosted(env, task_id, cfg.code_timeout, "loop-play")
+        world = infra.Hosted(env, task_id, cfg.code_timeout, "loop-play")
         e = loop.Episode(task_id, world, transcript=list(world.messages()))
         for played, code in enumerate(codes):
             if world.done:  # the task was completed, or its world failed
@@ -90,10 +91,10 @@ def play_solution(env, turns, cfg):
 
 
 def play_model(env, task_ids, cfg):
-    model, tok = loop.load_model_and_tokenizer(cfg)
-    chat = loop.chat_of(model, tok)
-    envs = [loop.Hosted(env, task, cfg.code_timeout, "loop-play") for task in task_ids]
-    with torch.autocast(loop.DEVICE.type, torch.bfloat16, enabled=cfg.bf16):
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    chat = infra.chat_of(model, tok)
+    envs = [infra.Hosted(env, task, cfg.code_timeout, "loop-play") for task in task_ids]
+    with torch.autocast(infra.DEVICE.type, torch.bfloat16, enabled=cfg.bf16):
         return loop.rollout(model, chat, envs, task_ids, cfg, cfg.eval_temperature,
                             cfg.eval_max_turns, desc="play")
 
@@ -106,12 +107,12 @@ def main(argv):
     args, settings = parser.parse_known_args(argv)
     cfg = loop.parse_config(settings)
     env = loop.environment(cfg.env)
-    split_tasks = loop.tasks_of(env, cfg.split)
-    known = split_tasks + loop.tasks_of(env, cfg.train_split)
+    split_tasks = infra.tasks_of(env, cfg.split)
+    known = split_tasks + infra.tasks_of(env, cfg.train_split)
     task_ids = args.task or split_tasks
     unknown = [task for task in task_ids if task not in known]
     if unknown:
-        loop.die(f"no task {unknown[0]!r} in the {cfg.split} or {cfg.train_split} split")
+        infra.die(f"no task {unknown[0]!r} in the {cfg.split} or {cfg.train_split} split")
     unplayed = {}
     if args.solution:
         solution = read_solution(args.solution, known)
@@ -120,7 +121,7 @@ def main(argv):
     else:
         episodes = play_model(env, task_ids, cfg)
     for e in episodes:
-        print(loop.transcript(e), end="")
+        print(infra.transcript(e), end="")
         if e.task_id in unplayed:
             played, left = unplayed[e.task_id]
             print(f"(the world was done after turn {played}: {left} more block(s) did not play)")

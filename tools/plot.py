@@ -17,6 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import infra  # noqa: E402
 import loop  # noqa: E402
 
 CURVES = [  # (metric of the training rows, panel title, drawn in %)
@@ -163,10 +164,10 @@ def main(argv):
     args = parser.parse_args(argv)
     metrics = os.path.join(args.run, "metrics.jsonl")
     if not os.path.exists(metrics):
-        loop.die(f"no {metrics}: give a run directory (--out of a loop.py run)")
-    train, evals = split_rows(loop.read_metrics(metrics))
+        infra.die(f"no {metrics}: give a run directory (--out of a loop.py run)")
+    train, evals = split_rows(infra.read_metrics(metrics))
     if not train:
-        loop.die(f"{metrics} has no training rows (only evaluations): give a run that trained")
+        infra.die(f"{metrics} has no training rows (only evaluations): give a run that trained")
     keys = [k for k in BEHAVIOUR if any(k in r for r in train)]
     own = [k for k in BEHAVIOUR if k != "success_rate"]  # success alone: a panel of curves.png
     if not set(own) & set(keys):
