@@ -261,10 +261,10 @@ def serve(conn):
         member = {"start": "messages", "step": "step"}.get(method, "evaluate")
         try:
             if method == "start":
-                env, task_id, timeout, experiment, environ = arg
+                World, task_id, timeout, experiment, environ = arg
                 os.environ.update(environ)  # the trainer's now (APPWORLD_ROOT), not at the fork
                 member = "__init__"
-                world = env(task_id, timeout, experiment)
+                world = World(task_id, timeout, experiment)
                 member = "messages"
                 reply = checked_messages(world, world.messages())
             elif method == "step":
@@ -279,7 +279,7 @@ def serve(conn):
             world = None
             conn.send(("refused", (member, str(e))))
         except Exception as e:  # noqa: BLE001 - the world's own error: its last traceback line
-            name = type(world).__name__ if world is not None else env.__name__
+            name = type(world).__name__ if world is not None else World.__name__
             conn.send(("raised", (member, f"{name}.{member} raised {type(e).__name__}: {e}")))
             return
         finally:
@@ -337,7 +337,7 @@ def start_forkserver():
             os.environ["PYTHONPATH"] = path
 
 class Hosted:
-    """A world of `env` in a worker process, with the interface's methods. Every call has a
+    """A world of class World in a worker process, with the interface's methods. Every call has a
     deadline: a world that dies or does not answer in time is killed and fails its episode (an
     infrastructure failure: no reward, not even 0), as does one whose answer the interface does
     not allow. `error` says why. The world starts with its episode's wave (messages()) and its
@@ -350,8 +350,8 @@ class Hosted:
     forkserver_started = False
     said = set()  # the failures of worlds said so far, a line each: (class, member, kind)
 
-    def __init__(self, env, task_id, timeout, experiment):
-        self.env, self.task_id, self.timeout, self.experiment = env, task_id, timeout, experiment
+    def __init__(self, World, task_id, timeout, experiment):
+        self.World, self.task_id, self.timeout, self.experiment = World, task_id, timeout, experiment
         self.done = self.failed = False
         self.opening = self.worker = self.error = None
 
@@ -376,8 +376,8 @@ class Hosted:
         ctx = multiprocessing.get_context("forkserver")
         with Hosted.idle_lock:  # the first world's thread starts the forkserver for all
             if not Hosted.forkserver_started:
-                preload = getattr(self.env, "preload", lambda: [])()
-                ctx.set_forkserver_preload(["loop", self.env.__module__, *preload])
+                preload = getattr(self.World, "preload", lambda: [])()
+                ctx.set_forkserver_preload(["loop", self.World.__module__, *preload])
                 start_forkserver()
                 Hosted.forkserver_started = True
         conn, child = ctx.Pipe()
@@ -406,15 +406,15 @@ class Hosted:
         elif status == "raised":
             member, self.error = value
         elif status == "hung":
-            self.error = f"{self.env.__name__} did not answer its {method} within {wait:g} s"
+            self.error = f"{self.World.__name__} did not answer its {method} within {wait:g} s"
         else:
             self.worker.join(1)
-            self.error = (f"{self.env.__name__}'s worker process ended (exit code "
+            self.error = (f"{self.World.__name__}'s worker process ended (exit code "
                           f"{self.worker.exitcode}) before it answered its {method}")
         if status != "refused":
             self.worker.kill()
-        if value and (self.env, member, status) not in Hosted.said:
-            Hosted.said.add((self.env, member, status))
+        if value and (self.World, member, status) not in Hosted.said:
+            Hosted.said.add((self.World, member, status))
             tqdm.write(f"note: {self.error}: its episode fails as the world's (said once)",
                        file=sys.stderr)
         return None
@@ -424,7 +424,7 @@ class Hosted:
             self.worker, self.conn = self.take_worker()
             if self.failed:  # closed while it was taken (close() sets failed, then reads worker)
                 self.worker.kill()
-            start = (self.env, self.task_id, self.timeout, self.experiment, dict(os.environ))
+            start = (self.World, self.task_id, self.timeout, self.experiment, dict(os.environ))
             failed = [{"role": "user", "content": "(the world failed to start)"}]
             self.opening = self.call(("start", start), self.WORLD_TIMEOUT) or failed
         return self.opening
@@ -442,7 +442,7 @@ class Hosted:
             self.give_back()
             if result is None:
                 self.failed = self.done = True
-                self.error = f"{self.env.__name__}.evaluate() returned None: the world failed"
+                self.error = f"{self.World.__name__}.evaluate() returned None: the world failed"
         return result
 
     def close(self):
@@ -474,7 +474,7 @@ def concurrently(calls):
 def stop_if_every_world_failed(episodes, what):
     """A run whose every world fails would train on nothing for hours: it stops, exit code 1, with
     the first world's own error and what to do."""
-    errors = [getattr(e.env, "error", None) or "its world failed" for e in episodes if e.failed]
+    errors = [getattr(e.world, "error", None) or "its world failed" for e in episodes if e.failed]
     counts = all_reduce([len(episodes), len(errors)])
     if not counts[0] or counts[1] < counts[0]:
         return

@@ -116,10 +116,10 @@ def mean(values):
 @dataclasses.dataclass(eq=False)
 class Episode:
     task_id: str
-    env: object
+    world: object
     ids: list = dataclasses.field(default_factory=list)
     is_output: list = dataclasses.field(default_factory=list)
-    turn: list = dataclasses.field(default_factory=list)  # of each sampled token; -1: context
+    turn_of: list = dataclasses.field(default_factory=list)  # each token's turn; -1: context
     transcript: list = dataclasses.field(default_factory=list)
     cap: int = sys.maxsize  # --max-context
     done: bool = False
@@ -134,7 +134,7 @@ class Episode:
         ids = ids[:self.cap - len(self.ids)]
         self.ids += ids
         self.is_output += [output] * len(ids)
-        self.turn += [turn] * len(ids)
+        self.turn_of += [turn] * len(ids)
         self.done = self.done or len(self.ids) >= self.cap
 
 
@@ -160,7 +160,7 @@ def generate(model, chat, prompts, temperature, max_new_tokens, cache=None):
     cache.grew(attn, prompts, rows, out.shape[1] - ids.shape[1])
     return rows
 
-def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="rollout",
+def rollout(model, chat, worlds, task_ids, cfg, temperature, max_turns, desc="rollout",
             carry_cache=True):
     """The POMDP (§4.1), a wave of batch_episodes at a time, so that one wave's KV cache and
     worlds exist at a time. Each turn, one batched generation for the wave's live episodes, then
@@ -168,10 +168,10 @@ def rollout(model, chat, envs, task_ids, cfg, temperature, max_turns, desc="roll
     runs as many generations as the busiest one (FSDP's collectives match), with a dummy if it
     has no episode left. carry_cache=False re-prefills every turn (a reference for tests)."""
     model.eval()
-    pairs = list(zip(envs, task_ids))
+    pairs = list(zip(worlds, task_ids))
     waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
     episodes, wave, cache, turn = [], [], infra.WaveCache(), 0  # (a rank with no task plays dummies)
-    with infra.playing(model, envs, cfg, desc) as bar:  # gathered layers; worlds closed on an error
+    with infra.playing(model, worlds, cfg, desc) as bar:  # gathered layers; worlds closed on an error
         while True:
             while waves and all(e.done for e in wave):  # the wave ended: the next begins
                 score_wave(wave)
@@ -196,15 +196,16 @@ def play_turn(model, chat, live, cache, temperature, turn, max_turns, cfg):
     prompts = [e.ids for e in live] or [[chat.eot]]  # nothing left: a dummy joins in
     outputs = generate(model, chat, prompts, temperature, min(cfg.max_new_tokens, room), cache)
     codes = [act(e, new, turn, chat) for e, new in zip(live, outputs)]
-    results = infra.concurrently([functools.partial(e.env.step, c) for e, c in zip(live, codes)])
+    results = infra.concurrently([functools.partial(e.world.step, c) for e, c in zip(live, codes)])
     for e, output in zip(live, results):
         observe(e, output, turn == max_turns - 1, chat, cfg)
 
 def start_wave(pairs, chat, cfg):
     """A wave's worlds start together (their messages()); an episode opens with the prompt."""
     wave = []
-    for (env, task_id), messages in zip(pairs, infra.concurrently([env.messages for env, _ in pairs])):
-        e = Episode(task_id, env, transcript=list(messages), done=getattr(env, "done", False),
+    opening = infra.concurrently([world.messages for world, _ in pairs])
+    for (world, task_id), messages in zip(pairs, opening):
+        e = Episode(task_id, world, transcript=list(messages), done=getattr(world, "done", False),
                     cap=cfg.max_context)  # (done already if its world failed to start)
         prompt = chat.prompt(messages)
         if len(prompt) >= cfg.max_context and not e.done:
@@ -216,7 +217,7 @@ def start_wave(pairs, chat, cfg):
 
 def score_wave(wave):
     """A finished wave's worlds are evaluated together: reward = tests passed / tests."""
-    for e, result in zip(wave, infra.concurrently([e.env.evaluate for e in wave])):
+    for e, result in zip(wave, infra.concurrently([e.world.evaluate for e in wave])):
         e.failed = result is None  # the world broke: no reward, not even 0
         passed, total = e.checks = result or (0, 1)
         e.reward = passed / total
@@ -244,7 +245,7 @@ def observe(e, output, last_turn, chat, cfg):
     """The environment's output joins the episode as context, between the template's separators."""
     observation = chat.truncate(output, cfg.max_obs_tokens)
     e.transcript.append({"role": "user", "content": observation})
-    e.done = e.done or getattr(e.env, "done", False) or last_turn
+    e.done = e.done or getattr(e.world, "done", False) or last_turn
     if not e.done:
         closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
         e.add(closing + chat.observation(observation))
@@ -272,9 +273,9 @@ def loo_advantages(rewards, normalize=False, valid=None):
 # 4. The clipped objective (Eq. 5) and its per-turn, per-trajectory, on-policy variants
 LOG_RATIO_BOUND = 40.0  # |log r| past this: no gradient (exp(40) x 3k tokens stays finite)
 
-def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
+def loop_loss(logp, old_logp, adv, mask, turn_of, ratio="token", eps=0.1):
     """Per-rollout loss (to minimise) and number of clipped (or bounded) tokens. logp, old_logp,
-    mask, turn: [B, T] over target tokens; adv: [B]. Each rollout's loss is the mean over its own
+    mask, turn_of: [B, T] over target tokens; adv: [B]. Each rollout's loss is the mean over its own
     output tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
     mask = mask.to(logp.dtype)
     n = mask.sum(1).clamp(min=1)
@@ -283,8 +284,8 @@ def loop_loss(logp, old_logp, adv, mask, turn, ratio="token", eps=0.1):
         return -(adv * (logp * mask).sum(1) / n), torch.zeros((), device=logp.device)
     log_r = (logp - old_logp) * mask
     if ratio == "turn":  # one ratio per assistant turn, shared by that turn's tokens
-        turns = int(turn.max().clamp(min=0)) + 1  # (an empty pass has no turn at all)
-        onehot = F.one_hot(turn.clamp(min=0), turns) * mask[..., None]
+        turns = int(turn_of.max().clamp(min=0)) + 1  # (an empty pass has no turn at all)
+        onehot = F.one_hot(turn_of.clamp(min=0), turns) * mask[..., None]
         per_turn = torch.einsum("bt,btj->bj", log_r, onehot)
         log_r = torch.einsum("bj,btj->bt", per_turn, onehot)
     elif ratio == "trajectory":  # one ratio per rollout: prod_t r_t
@@ -380,14 +381,14 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
     of [loss, KL estimate, clipped tokens, output tokens]."""
     totals = [0.0, 0.0, 0, 0]
     for chunk in chunks:
-        ids, attn, is_output, turn = pad_batch([episodes[i] for i in chunk])
+        ids, attn, is_output, turn_of = pad_batch([episodes[i] for i in chunk])
         logp = infra.token_logprobs(model, ids, attn, cfg.temperature)
         old_logp, adv = logp.detach(), torch.zeros(1, device=infra.DEVICE)  # an empty pass's: no action
         if chunk:
             old_logp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True)
             adv = advantages[chunk].to(infra.DEVICE)
         mask = is_output[:, 1:] & attn[:, 1:].bool()  # targets x_1.. that the policy sampled
-        per_rollout, n_clipped = loop_loss(logp, old_logp, adv, mask, turn[:, 1:], cfg.ratio,
+        per_rollout, n_clipped = loop_loss(logp, old_logp, adv, mask, turn_of[:, 1:], cfg.ratio,
                                            cfg.clip_eps)
         # sum over rollouts / minibatch size; x world because FSDP averages gradients over ranks
         (per_rollout.sum() * infra.WORLD / cfg.minibatch_size).backward()
@@ -396,7 +397,7 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
         totals = [a + b for a, b in zip(totals, step)]
     return infra.all_reduce(totals)
 
-NO_OUTPUT = Episode("", None, ids=[0, 0], is_output=[False, False], turn=[-1, -1])
+NO_OUTPUT = Episode("", None, ids=[0, 0], is_output=[False, False], turn_of=[-1, -1])
 
 def pad_batch(episodes):
     """ids, attention mask, is_output and turn of the episodes, right-padded to one width. None (a
@@ -408,7 +409,7 @@ def pad_batch(episodes):
         return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=infra.DEVICE)
 
     return (pad([e.ids for e in episodes], 0), pad([[1] * len(e.ids) for e in episodes], 0),
-            pad([e.is_output for e in episodes], False), pad([e.turn for e in episodes], -1))
+            pad([e.is_output for e in episodes], False), pad([e.turn_of for e in episodes], -1))
 
 
 def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
@@ -422,11 +423,11 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     tasks = random.Random(seed).sample(train_tasks, n_tasks)[infra.RANK::infra.WORLD]
     k = cfg.rollouts_per_task
     task_ids = [task for task in tasks for _ in range(k)]  # a task's K rollouts share a rank
-    env = environment(cfg.env)
+    World = environment(cfg.env)
     # the K worlds of a task save their outputs apart
-    envs = [infra.Hosted(env, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
-            for i, task in enumerate(task_ids)]
-    episodes = rollout(model, chat, envs, task_ids, cfg, cfg.temperature, cfg.max_turns)
+    worlds = [infra.Hosted(World, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
+              for i, task in enumerate(task_ids)]
+    episodes = rollout(model, chat, worlds, task_ids, cfg, cfg.temperature, cfg.max_turns)
     infra.stop_if_every_world_failed(episodes, f"iteration {iteration}")
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
     valid = torch.tensor([not e.failed for e in episodes], dtype=torch.bool).view(len(tasks), k)
@@ -434,16 +435,16 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     stats = update(model, opt, episodes, advantages, cfg)
     sums = collections.Counter(reward=(rewards * valid).sum().item())  # this rank's, then all
     for e in episodes:
-        looked, erred, recovered = habits(e, env)
-        sums.update(episodes=1, failures=e.failed, success=e.success, turns=1 + max(e.turn),
+        looked, erred, recovered = habits(e, World)
+        sums.update(episodes=1, failures=e.failed, success=e.success, turns=1 + max(e.turn_of),
                     tokens=len(e.ids), looked=looked, erred=erred, recovered=recovered)
     keys = ["episodes", "failures", "reward", "success", "turns", "tokens", "looked", "erred",
             "recovered"]
     t = dict(zip(keys, infra.all_reduce([sums[key] for key in keys])))
     n, scored = t["episodes"], max(t["episodes"] - t["failures"], 1)  # scored: worlds held up
     # behaviour shares where the environment says what they count
-    shares = {"looked_first": t["looked"] / n} if hasattr(env, "DOCS_CALL") else {}
-    if hasattr(env, "ERROR_PREFIX"):
+    shares = {"looked_first": t["looked"] / n} if hasattr(World, "DOCS_CALL") else {}
+    if hasattr(World, "ERROR_PREFIX"):
         shares.update(error_rate=t["erred"] / n, recovered=t["recovered"] / max(t["erred"], 1))
     return {"iteration": iteration, "reward_mean": t["reward"] / scored,
             "success_rate": t["success"] / scored, "turns_mean": t["turns"] / n,
@@ -470,11 +471,11 @@ def goal_completion(results):
 def evaluate(model, chat, cfg, split, iteration, run_dir):
     """One episode per task of `split`: the metrics row; 3 of the episodes to transcripts/."""
     started = time.time()
-    env = environment(cfg.env)
-    tasks = infra.tasks_of(env, split)[infra.RANK::infra.WORLD]  # each rank plays its share; rank 0 gathers them
+    World = environment(cfg.env)
+    tasks = infra.tasks_of(World, split)[infra.RANK::infra.WORLD]  # rank 0 gathers the results
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
-    envs = [infra.Hosted(env, t, cfg.code_timeout, experiment) for t in tasks]
-    episodes = rollout(model, chat, envs, tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
+    worlds = [infra.Hosted(World, t, cfg.code_timeout, experiment) for t in tasks]
+    episodes = rollout(model, chat, worlds, tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
                        desc=f"eval {split}")
     infra.stop_if_every_world_failed(episodes, f"the evaluation of {split}")
     results = [(e.task_id, e.success, e.reward) for e in episodes]
@@ -491,14 +492,14 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
     return row
 
 
-def habits(e, env):
-    """Habits RL changes (§5), read from an episode's transcript where the environment names them:
-    its first code reads the docs (env.DOCS_CALL); it met an error (env.ERROR_PREFIX); it erred and
+def habits(e, World):
+    """Habits RL changes (§5), read from an episode's transcript where the world names them: its
+    first code reads the docs (World.DOCS_CALL); it met an error (World.ERROR_PREFIX); it erred and
     still succeeded."""
     replies = [m["content"] for m in e.transcript if m["role"] == "assistant"]
     observations = [b["content"] for a, b in zip(e.transcript, e.transcript[1:])
                     if a["role"] == "assistant"]
-    docs, error = getattr(env, "DOCS_CALL", None), getattr(env, "ERROR_PREFIX", None)
+    docs, error = getattr(World, "DOCS_CALL", None), getattr(World, "ERROR_PREFIX", None)
     looked = docs is not None and bool(replies) and docs in extract_code(replies[0])
     erred = error is not None and any(text.startswith(error) for text in observations)
     return looked, erred, erred and e.success

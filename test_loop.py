@@ -334,9 +334,9 @@ def test_sampled_ids_are_kept_exactly_and_masked(episodes):
             assert e.ids[span] == new and all(e.is_output[span])
             covered[id(e)] += len(new)
     for e in eps:
-        assert len(e.ids) == len(e.is_output) == len(e.turn)
+        assert len(e.ids) == len(e.is_output) == len(e.turn_of)
         assert sum(e.is_output) == covered[id(e)]  # nothing else is marked as an action
-        assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output))
+        assert all((k >= 0) == o for k, o in zip(e.turn_of, e.is_output))
 
 
 def test_decoded_sequence_is_the_transcript(tiny, episodes):
@@ -428,7 +428,7 @@ def test_the_carried_kv_cache_gives_the_ids_that_prefilling_every_turn_gives(tin
         fed.append(_count_fed_tokens(m))
         envs = [_Scripted(n) for n in (3, 1, 2, 3, 2)]
         played.append(loop.rollout(m, chat, envs, ["x"] * 5, cfg, 0.0, 3, **reference))
-    assert [1 + max(e.turn) for e in played[0]] == [3, 1, 2, 3, 2]
+    assert [1 + max(e.turn_of) for e in played[0]] == [3, 1, 2, 3, 2]
     assert [e.ids for e in played[0]] == [e.ids for e in played[1]]
     tokens = sum(len(e.ids) for e in played[0])
     assert fed[0][0] <= tokens < fed[1][0] / 1.5  # its last sampled token is never fed
@@ -465,7 +465,7 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
         monkeypatch.undo()
     carried, reprefilled = played
     assert [e.ids for e in carried] == [e.ids for e in reprefilled]
-    assert any(max(e.turn) > 0 for e in carried)  # an episode that went on after a turn
+    assert any(max(e.turn_of) > 0 for e in carried)  # an episode that went on after a turn
     ids, attn, _, _ = loop.pad_batch(carried)
     with torch.no_grad():
         scored = infra.token_logprobs(model, ids, attn, 1.0)
@@ -475,7 +475,7 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
         unequal += len({n for _, n in rows}) > 1
         for r, (key, start) in enumerate(rows):
             i = row_of[key]
-            n = carried[i].turn.count(carried[i].turn[start])  # this turn's sampled tokens
+            n = carried[i].turn_of.count(carried[i].turn_of[start])  # this turn's sampled tokens
             sampled = logp[r, :n].gather(-1, ids[i, start:start + n, None]).squeeze(-1)
             assert torch.allclose(sampled, scored[i, start - 1:start - 1 + n], atol=1e-4)
             stopped_early += n < logp.shape[1]
@@ -508,7 +508,7 @@ def test_the_carried_cache_holds_the_live_episodes_and_little_else(tiny, monkeyp
     torch.manual_seed(2)
     envs = [_Uneven(turns, words) for turns, words in [(4, 3), (6, 9), (5, 1), (4, 6), (6, 2), (3, 12)]]
     eps = loop.rollout(model, chat, envs, ["x"] * 6, cfg, 1.0, 8)
-    assert [1 + max(e.turn) for e in eps] == [4, 6, 5, 4, 6, 3] and len(peaks) == 6
+    assert [1 + max(e.turn_of) for e in eps] == [4, 6, 5, 4, 6, 3] and len(peaks) == 6
     assert max(peaks) <= 1.1, peaks
 
 
@@ -529,13 +529,13 @@ def test_sampling_with_the_carried_cache_equals_scoring_the_whole_episode(tiny, 
     torch.manual_seed(11)
     eps = loop.rollout(model, chat, [_Scripted(3) for _ in range(4)], ["x"] * 4, cfg, 1.0, 3)
     monkeypatch.undo()
-    assert len(calls) == 3 and all(1 + max(e.turn) == 3 for e in eps)
+    assert len(calls) == 3 and all(1 + max(e.turn_of) == 3 for e in eps)
     ids, attn, _, _ = loop.pad_batch(eps)
     with torch.no_grad():
         scored = infra.token_logprobs(model, ids, attn, 1.0)
     for i, e in enumerate(eps):
         for turn, logp in enumerate(calls):
-            where = [t for t, k in enumerate(e.turn) if k == turn]
+            where = [t for t, k in enumerate(e.turn_of) if k == turn]
             sampled = logp[i, torch.arange(len(where)), torch.tensor(e.ids)[where]]
             assert torch.allclose(scored[i, torch.tensor(where) - 1], sampled, atol=1e-4), (i, turn)
 
@@ -565,9 +565,9 @@ def test_an_episode_ends_at_the_context_cap_with_no_id_beyond_it(tiny, cap, monk
     monkeypatch.setattr(chat, "stop_ids", [len(chat.tok)])  # all 30 tokens unless the cap cuts it
     (e,) = loop.rollout(model, chat, [_Chatty()], ["x"], small, 1.0, 10)
     assert e.done and 0 < len(e.ids) <= cap
-    assert len(e.ids) == len(e.is_output) == len(e.turn)
-    assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output))
-    assert max(e.turn) < 9  # the cap, not the turn limit, ended it
+    assert len(e.ids) == len(e.is_output) == len(e.turn_of)
+    assert all((k >= 0) == o for k, o in zip(e.turn_of, e.is_output))
+    assert max(e.turn_of) < 9  # the cap, not the turn limit, ended it
 
 
 def test_a_turn_that_reaches_the_context_cap_is_cut_there(tiny, monkeypatch):
@@ -583,7 +583,7 @@ def test_a_turn_that_reaches_the_context_cap_is_cut_there(tiny, monkeypatch):
     assert prompts[0] + 30 > cap and prompts[0] < prompts[1] < cap
     for e, prompt in zip(eps, prompts):
         assert e.done and len(e.ids) == cap
-        assert len(e.is_output) == len(e.turn) == cap
+        assert len(e.is_output) == len(e.turn_of) == cap
         assert e.is_output == [False] * prompt + [True] * (cap - prompt)  # one turn, cut at the cap
 
 
@@ -634,11 +634,11 @@ def test_tiny_model_plays_real_appworld_with_exact_bookkeeping(tiny, appworld_ro
     tasks = ["5a0f1c2_1", "9d3e7b4_1"]
     torch.manual_seed(5)
     for e in loop.rollout(model, chat, [_appworld(x, cfg.code_timeout, "pytest-tiny") for x in tasks], tasks, cfg, 1.0, 2):
-        assert len(e.transcript) == 2 + 2 * (1 + max(e.turn))
+        assert len(e.transcript) == 2 + 2 * (1 + max(e.turn_of))
         rendered = chat.tok.apply_chat_template(e.transcript[:-1], tokenize=False)
         closing = "\n" if e.ids[-1] == chat.eot else "<|im_end|>\n"
         assert chat.tok.decode(e.ids) + closing == rendered
-        assert all((k >= 0) == o for k, o in zip(e.turn, e.is_output)) and 0 <= e.reward <= 1
+        assert all((k >= 0) == o for k, o in zip(e.turn_of, e.is_output)) and 0 <= e.reward <= 1
 
 
 def _steps(envs, codes):
@@ -916,7 +916,7 @@ def sampled_and_scored(model, chat, envs, cfg):
             if key not in row_of:
                 continue
             e = episodes[row_of[key]]
-            n = e.turn.count(e.turn[start])  # the tokens this call sampled for this episode
+            n = e.turn_of.count(e.turn_of[start])  # the tokens this call sampled for this episode
             tokens = torch.tensor(e.ids[start:start + n])
             sampled = logp[r, :n].gather(-1, tokens[:, None]).squeeze(-1)
             pairs.append((sampled, scored[row_of[key], start - 1:start - 1 + n]))
@@ -950,7 +950,7 @@ def test_what_generation_sampled_is_what_the_update_scores(name, tmp_path):
     torch.manual_seed(0)
     envs = [_Uneven(turns, words) for turns, words in [(4, 3), (6, 9), (5, 1), (4, 6), (6, 2)]]
     episodes, pairs, unequal, early = sampled_and_scored(model, chat, envs, cfg)
-    assert [1 + max(e.turn) for e in episodes] == [4, 6, 5, 4, 6]
+    assert [1 + max(e.turn_of) for e in episodes] == [4, 6, 5, 4, 6]
     assert unequal and early and min(len(e.ids) for e in episodes) > 3 * WINDOW
     _check_sampling_is_scoring(pairs)
 
@@ -972,7 +972,7 @@ def _sampling_worker(out, *folders):
         plays = [[(4, 3), (5, 8)], [(6, 2), (4, 7), (5, 1)]][rank]
         episodes, pairs, unequal, early = sampled_and_scored(model, chat, [_Uneven(*p) for p in plays], cfg)
         worst = max((a - b).abs().max().item() for a, b in pairs)
-        result[os.path.basename(folder)] = {"worst": worst, "turns": [1 + max(e.turn) for e in episodes],
+        result[os.path.basename(folder)] = {"worst": worst, "turns": [1 + max(e.turn_of) for e in episodes],
                                             "unequal": unequal, "early": early,
                                             "sampled": [sum(e.is_output) for e in episodes]}
     parts = [None, None]
@@ -1340,7 +1340,7 @@ def _fsdp_worker(out):
     chat = Chat(tok)
     turns = [1] if rank == 0 else [4, 2, 3]  # rank 0 is done after one turn; rank 1 needs two batches per turn
     eps = loop.rollout(model, chat, [_Scripted(n) for n in turns], ["x"] * len(turns), cfg, 1.0, 6)
-    result["turns"] = [1 + max(e.turn) for e in eps]
+    result["turns"] = [1 + max(e.turn_of) for e in eps]
     loop.generate = scripted_policy(solve_some)  # each rank plays half of the test split
     result["eval"] = loop.evaluate(model, chat, cfg, "test", 0, folder)
     parts = [None, None]
@@ -3478,7 +3478,7 @@ def test_a_drill_is_doc_lines_each_followed_by_the_call_that_uses_it(tiny):
     docs = re.findall(r"<\|im_start\|>user\n(apis\.\w+\.\w+)\(", text)
     calls = re.findall(r"```python\n(?:x = )?(apis\.\w+\.\w+)\(", text)
     assert len(docs) == 4 and docs == calls
-    outputs = [chat.tok.decode([i for i, out, turn in zip(e.ids, e.is_output, e.turn) if out and turn == t])
+    outputs = [chat.tok.decode([i for i, out, turn in zip(e.ids, e.is_output, e.turn_of) if out and turn == t])
                for t in range(4)]
     assert all(o.startswith("```python\n") and o.endswith("```<|im_end|>") for o in outputs)
     assert sum(e.is_output) == sum(len(chat.encode(o[:-len("<|im_end|>")])) + 1 for o in outputs)
