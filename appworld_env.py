@@ -1,9 +1,7 @@
 """The real AppWorld (appworld.dev): the interface of tiny_world.py's docstring, second example.
-
 An episode is a task of an AppWorld split: our ReAct-style prompt (assets/appworld_prompt.txt), the
-task with its date and supervisor, the agent's code run by `world.execute`, and reward and success
-from `world.evaluate()`'s unit tests. loop.py runs each world in a worker process of its own
-(infra.Hosted), which AppWorld needs: one world per process.
+task with its date and supervisor, the agent's code run by `world.execute`, reward and success
+from `world.evaluate()`'s unit tests; each world in a worker process of its own (infra.Hosted).
 """
 import os
 import pathlib

@@ -1,21 +1,12 @@
-"""The machinery loop.py calls as `infra.X`: what a run needs that the paper does not say. Read
-loop.py for LOOP; read this file to change how a run is set up, sharded, saved or logged, or how
-its worlds run.
-
-- process state (rank, world size, device) and one-line errors; the settings' parser;
-- worlds: a forker's module:Class, its tasks, the worker process each world runs in (its answers
-  checked), the carried KV cache of a wave;
-- loading (bf16, LoRA), FSDP2, the update's chunked log-prob head, the KV-cache pre-flight;
-- checkpoints and the final model, the log and its trackers, the run directory.
-
-It never imports loop: the settings' class and the world's class are passed in. Read RANK, WORLD
-and DEVICE as infra.RANK (start_distributed sets them), never `from infra import RANK`.
+"""The machinery loop.py calls as `infra.X`, what a run needs that the paper does not say: process
+state, the settings' parser, worlds and their worker processes, the carried KV cache, loading,
+FSDP2, the log-prob head, checkpoints, the log, the run directory. It never imports loop (Config
+and the World are passed in). Read infra.RANK, WORLD and DEVICE late: start_distributed sets them.
 """
 import argparse
 import contextlib
 import dataclasses
 import faulthandler
-import glob
 import importlib.util
 import inspect
 import itertools
@@ -31,7 +22,6 @@ import signal
 import sys
 import threading
 import time
-import types
 import warnings
 
 import torch
@@ -40,7 +30,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from chat import Chat
-
 
 # Process state: this process's rank, the number of ranks, its device; one-line errors
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,12 +53,9 @@ def first_line(error):
 def flag(name):
     return "--" + name.replace("_", "-")
 
-
 # The settings: the command line, config files laid over each other, what a resume may change
 def parse_config(Config, argv, description):
-    """Config from its defaults <- tiny_config.json (--tiny) <- --config FILE (or the resumed
-    run's) <- flags. A file's settings are read as the flags they name: one parser checks every
-    layer, by the rule each field declares."""
+    """Config: defaults <- tiny_config.json (--tiny) <- --config FILE (a resumed run's) <- flags."""
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     parser = settings_parser(Config, defaults)
     args = parser.parse_args(argv)
@@ -98,8 +84,7 @@ def parse_config(Config, argv, description):
     return cfg
 
 def settings_parser(Config, shown=None, where="", description=None):
-    """The command line; each setting's help shows its value in `shown` (after --tiny: tiny's).
-    Its mistakes are one line that names `where` they were read (a config file)."""
+    """The command line: --help shows the values in `shown`; a mistake: one line after `where`."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,  # --iteration
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      add_help=False)  # --help is read after --tiny and --config
@@ -119,26 +104,26 @@ def settings_parser(Config, shown=None, where="", description=None):
 
 def checked(f):
     """The type of a setting's flag: its text as the field's type, within the field's rule."""
+    low, high = f.metadata["at_least"], f.metadata["at_most"]
+
     def convert(text):
         value = f.type(text)  # a ValueError is argparse's "invalid int value: 'x'"
-        low, high = f.metadata["at_least"], f.metadata["at_most"]
-        if f.type in (int, float) and low is None and not value > 0:
-            raise argparse.ArgumentTypeError(f"must be {'>= 1' if f.type is int else '> 0'}, "
-                                             f"got {text}")
-        if low is not None and not value >= low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
-        if high is not None and not value <= high:
-            raise argparse.ArgumentTypeError(f"must be at most {high}, got {text}")
-        if f.type is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+        if f.type is str:
+            return value
+        rules = [(value >= low if low is not None else value > 0,
+                  f">= {low}" if low is not None else ">= 1" if f.type is int else "> 0"),
+                 (high is None or value <= high, f"at most {high}"),
+                 (f.type is int or math.isfinite(value), "finite")]
+        for holds, rule in rules:
+            if not holds:
+                raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
 
     convert.__name__ = f.type.__name__
     return convert
 
 def check_resume(args, saved):
-    """What a resume cannot change: the weights the checkpoint holds, where the run is, that it
-    trains (an evaluation changes no run: --eval --model RUN/model)."""
+    """What a resume cannot change: the checkpoint's weights, where the run is, that it trains."""
     for key in ("model", "lora"):
         if getattr(args, key) not in (None, getattr(saved, key)):
             die(f"--{key} cannot change when resuming: {args.resume}'s checkpoint holds the "
@@ -152,8 +137,7 @@ def check_resume(args, saved):
             f"{os.path.join(args.resume, 'model')}")
 
 def read_settings(path, Config):
-    """A JSON object of settings as flags, each checked here, so that its mistake names the file
-    and the key as written; a model directory is found beside the file."""
+    """A JSON object of settings as flags, each checked here (a mistake names the file and key)."""
     try:
         values = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -179,11 +163,9 @@ def read_settings(path, Config):
         flags.append(text)
     return flags
 
-
 # Worlds: a forker's module:Class, its tasks
 def import_world(name, builtin):
-    """The world class of --env module:Class, from a module Python can import (module.py in the
-    current directory too), with the members of the interface; else one line."""
+    """The World of --env module:Class (module.py in the current directory too), else one line."""
     module_name, _, class_name = name.partition(":")
     if not (module_name and class_name):
         die(f"--env takes {', '.join(builtin)} or module:Class (your world), not {name!r}")
@@ -221,8 +203,7 @@ def tasks_of(World, split):
     return tasks
 
 def splits(World, cfg):
-    """The tasks of the evaluation's split and of the training's, checked before the model loads;
-    a note where --tasks-per-iteration is more than the training split holds."""
+    """The tasks of the evaluation's split and of the training's, checked before the model loads."""
     eval_tasks = tasks_of(World, cfg.split)
     train_tasks = [] if cfg.eval else tasks_of(World, cfg.train_split)
     if len(train_tasks) < cfg.tasks_per_iteration and not cfg.eval:
@@ -230,23 +211,19 @@ def splits(World, cfg):
             f"{len(train_tasks)} tasks of {cfg.train_split}: each iteration plays all of them")
     return eval_tasks, train_tasks
 
-
 # How a run plays worlds of any environment: each in a worker process of its own. Agent code that
 # cannot be stopped from inside (a bare `except:` around an endless loop, a long C call such as
 # sum(range(10**12))) is stopped by killing its process; AppWorld also allows one world a process.
 def in_world_worker():
-    """True in a world's worker process as it runs the main script again (Python's forkserver
-    does, as __mp_main__): a run's main() does nothing there."""
+    """True in a world's worker as it runs the main script again (as __mp_main__): no run there."""
     return getattr(multiprocessing.current_process(), "_inheriting", False)
 
 class Refused(Exception):
     """A value the interface does not allow, from a world's method: its episode fails."""
 
 def serve(conn):
-    """A worker process: one world at a time, task after task, each call answered in turn with
-    ("ok", its value checked), or ("refused" or "raised", (member, a line that says why)): the
-    episode fails, not the run. A refused value closes the world and the worker serves the next
-    one; an error of the world's own ends the process."""
+    """A worker: one world at a time, each call answered ("ok", its value checked), "refused" (the
+    world closed, the next served) or "raised" (the process ends): its episode fails."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the trainer's to handle
     quiet = open(os.devnull, "w")
     world = None
@@ -255,9 +232,8 @@ def serve(conn):
             method, arg, wait = conn.recv()
         except EOFError:  # the trainer is gone
             return
-        # the trainer's deadline here too, kept by a C thread (it fires also while agent code holds
-        # the GIL): a worker whose trainer was killed ends by then, whatever its world runs
-        faulthandler.dump_traceback_later(wait, exit=True, file=quiet)
+        # the trainer's deadline on a C thread too (agent code may hold the GIL): a killed trainer's
+        faulthandler.dump_traceback_later(wait, exit=True, file=quiet)  # workers end by then
         member = {"start": "messages", "step": "step"}.get(method, "evaluate")
         try:
             if method == "start":
@@ -302,8 +278,8 @@ def checked_text(world, text):
     return valid_text(text)
 
 def valid_text(text):
-    """Text any tokenizer and file can take: a surrogate pair (print("\\ud83d\\ude00")) joined,
-    a lone surrogate replaced."""
+    """Text a tokenizer and a file take: a surrogate pair (print("\\ud83d\\ude00")) joined, a lone
+    one replaced."""
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 def checked_done(world):
@@ -324,8 +300,7 @@ def checked_result(world, result):
     return tuple(x if isinstance(x, int) else float(x) for x in result)
 
 def start_forkserver():
-    """Python 3.11's forkserver imports its preload modules on its own sys.path, not the trainer's
-    (loop.py's directory is on neither when a run starts elsewhere): PYTHONPATH gives it that."""
+    """The forkserver imports its preloads on its own sys.path: PYTHONPATH is the trainer's."""
     import multiprocessing.forkserver
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -337,11 +312,8 @@ def start_forkserver():
             os.environ["PYTHONPATH"] = path
 
 class Hosted:
-    """A world of class World in a worker process, with the interface's methods. Every call has a
-    deadline: a world that dies or does not answer in time is killed and fails its episode (an
-    infrastructure failure: no reward, not even 0), as does one whose answer the interface does
-    not allow. `error` says why. The world starts with its episode's wave (messages()) and its
-    worker waits idle after the evaluation, for a world of the next wave."""
+    """A World in a worker process, its methods with deadlines: one that dies, hangs (killed) or
+    answers what the interface does not allow fails its episode (`error` says why)."""
 
     WORLD_TIMEOUT = 300  # seconds a world may take to start or to be evaluated (AppWorld: ~4, ~0.1)
     MARGIN = 5  # seconds a step may take beyond the agent's time limit before its world is killed
@@ -351,8 +323,8 @@ class Hosted:
     said = set()  # the failures of worlds said so far, a line each: (class, member, kind)
 
     def __init__(self, World, task_id, timeout, experiment):
-        self.World, self.task_id, self.timeout, self.experiment = World, task_id, timeout, experiment
-        self.done = self.failed = False
+        self.World, self.task_id, self.timeout = World, task_id, timeout
+        self.experiment, self.done, self.failed = experiment, False, False
         self.opening = self.worker = self.error = None
 
     def take_worker(self):
@@ -368,11 +340,8 @@ class Hosted:
             Hosted.idle.append((self.worker, self.conn))
 
     def start_worker(self):
-        """From the forkserver, a clean process (a fork of the trainer would inherit CUDA state,
-        NCCL threads and other threads' locks) that has imported, once for every worker it forks,
-        loop and what it imports (torch: a worker runs the main script again as it starts, as
-        Python 3.11's forkserver does not preload __main__, and finds them imported), the
-        environment's module and what that names (AppWorld: its 12 apps)."""
+        """From the forkserver (not a fork of the trainer's CUDA state and locks), which imported
+        loop (whose script a worker runs again), the World's module and its preload() once."""
         ctx = multiprocessing.get_context("forkserver")
         with Hosted.idle_lock:  # the first world's thread starts the forkserver for all
             if not Hosted.forkserver_started:
@@ -387,10 +356,7 @@ class Hosted:
         return worker, conn
 
     def call(self, message, wait):
-        """The world's answer within `wait` s, or None: it failed, and `error` says why. A world
-        that died or hung is killed; one that raised has ended its worker; one whose answer was
-        refused is closed, and its worker serves the next one. A failure of the world's own is said
-        once a run (its class, method and kind), not once an episode."""
+        """The world's answer within `wait` s, or None: it failed (`error` says why; said once)."""
         (method, _), status, value = message, "died", None
         try:
             self.conn.send((*message, wait))
@@ -400,10 +366,7 @@ class Hosted:
         if status == "ok":
             return value
         self.failed = self.done = True
-        if status == "refused":
-            self.give_back()
-            member, self.error = value
-        elif status == "raised":
+        if value:  # "refused": its worker closed the world; "raised": it ended
             member, self.error = value
         elif status == "hung":
             self.error = f"{self.World.__name__} did not answer its {method} within {wait:g} s"
@@ -411,8 +374,7 @@ class Hosted:
             self.worker.join(1)
             self.error = (f"{self.World.__name__}'s worker process ended (exit code "
                           f"{self.worker.exitcode}) before it answered its {method}")
-        if status != "refused":
-            self.worker.kill()
+        self.give_back() if status == "refused" else self.worker.kill()
         if value and (self.World, member, status) not in Hosted.said:
             Hosted.said.add((self.World, member, status))
             tqdm.write(f"note: {self.error}: its episode fails as the world's (said once)",
@@ -452,8 +414,7 @@ class Hosted:
             self.worker.kill()
 
 def concurrently(calls):
-    """The calls run at once, each with its own deadline, so a hung world holds up no other; their
-    threads are daemons, so an interrupt reaches the caller at once."""
+    """The calls at once, in daemon threads: a hung world holds up no other, nor Ctrl-C."""
     results, errors = [None] * len(calls), []
 
     def call(i):
@@ -472,8 +433,7 @@ def concurrently(calls):
     return results
 
 def stop_if_every_world_failed(episodes, what):
-    """A run whose every world fails would train on nothing for hours: it stops, exit code 1, with
-    the first world's own error and what to do."""
+    """A run whose every world fails would train on nothing for hours: it stops (exit code 1)."""
     errors = [getattr(e.world, "error", None) or "its world failed" for e in episodes if e.failed]
     counts = all_reduce([len(episodes), len(errors)])
     if not counts[0] or counts[1] < counts[0]:
@@ -483,35 +443,27 @@ def stop_if_every_world_failed(episodes, what):
         dist.all_gather_object(parts, errors[:1])
         errors = [error for part in parts for error in part]
     hint = "check the world with tools/play.py --solution"
-    if "worker process ended" in errors[0]:  # a forker's script reran in every worker, say
-        hint = ("a script that registers a world runs loop.main() under "
-                "`if __name__ == \"__main__\":`")
+    if "worker process ended" in errors[0]:  # a forker's script that reran in every worker, say
+        hint = "a script that registers a world runs loop.main() under if __name__ == '__main__'"
     raise WorldsFailed(f"every world failed in {what} ({int(counts[0])} episodes); the first: "
                        f"{errors[0]}: {hint}")
 
 class WorldsFailed(Exception):
-    """Every world of an iteration or an evaluation failed: the run stops (main says why)."""
-
-
+    """Every world of an iteration or an evaluation failed: the run stops (Run says why)."""
 
 # The carried KV cache of a wave of episodes
 class WaveCache:
-    """A wave's KV cache, carried across its turns, the one owner of what it holds: row i (its i-th
-    live episode) holds the first fed[i] ids of the episode, in the columns `mask` marks (0:
-    padding, tokens after a stop). A new one holds nothing: everything is fed."""
+    """A wave's KV cache, carried across its turns: row i (its i-th live episode) holds the first
+    fed[i] ids of the episode, in the columns `mask` marks (0: padding, tokens after a stop)."""
 
     def __init__(self):
         from transformers import DynamicCache
-        self.kv = DynamicCache()
-        self.mask = None
-        self.fed = []
-        self.episodes = []  # of its rows
+        self.kv, self.mask, self.fed, self.episodes = DynamicCache(), None, [], []  # rows' episodes
 
     def lay_out(self, live):
-        """Lay the cache out for the next turn of the `live` episodes, with no padding between an
-        episode's tokens (a sliding window counts columns): each row keeps its first tokens,
-        padded in front, and is fed as many ids as the widest new segment. Gone: ended episodes,
-        padding, post-stop tokens, columns of others' synced passes."""
+        """The `live` episodes' next turn, no padding between an episode's tokens (a sliding window
+        counts columns): each row's first tokens, padded in front, fed as many ids as the widest new
+        segment. Gone: ended episodes, padding, post-stop tokens, others' synced passes' columns."""
         cached, self.episodes = self.episodes, live
         if self.mask is None:  # nothing cached yet
             return
@@ -530,8 +482,7 @@ class WaveCache:
             layer.values = layer.values[index[:, None], :, columns].transpose(1, 2)
 
     def inputs(self, prompts, pad):
-        """What generation is fed: each row's ids past the cached ones, padded in front so that all
-        rows end at the last column, after the cached columns."""
+        """What generation is fed: each row's ids past the cached ones, padded in front."""
         new = [p[n:] for p, n in zip(prompts, self.fed or [0] * len(prompts))]
         width = max(map(len, new))
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in new], device=DEVICE)
@@ -541,27 +492,23 @@ class WaveCache:
         return torch.cat([torch.full_like(self.mask, pad), ids], 1), torch.cat([self.mask, attn], 1)
 
     def grew(self, attn, prompts, rows, n):
-        """After generation of `n` columns (`rows`, cut at their stops): the cache holds every
-        column but the last one sampled (and strays lay_out() drops)."""
+        """After `n` columns were generated (`rows`, cut at stops): all but the last are cached."""
         sampled = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows], device=DEVICE)
         self.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
         self.fed = [len(p) + min(len(r), n - 1) for p, r in zip(prompts, rows)]
-
-
 
 # Loading: a local directory or a hub id, bf16, LoRA
 MODEL_FILES = {"config.json": ["config.json", "adapter_config.json"],  # (a LoRA adapter's)
                "weights (*.safetensors)": ["*.safetensors", "*.bin"],
                "tokenizer (tokenizer.json)": ["tokenizer.json", "tokenizer.model", "vocab.json"]}
 def load_pretrained(cfg):
-    """A local directory (a run's model/ too) or a Hugging Face id, from the cache, else the hub.
-    A model that cannot load stops the run with one line that says why."""
+    """A local directory or a hub id (from the cache, else the hub), or one line why not."""
     from huggingface_hub import errors, snapshot_download
     path = os.path.expanduser(cfg.model)
     if os.path.exists(os.path.join(path, "metrics.jsonl")):  # `--model runs/x`
         die(f"{cfg.model} is a run directory: its trained model is {os.path.join(path, 'model')}")
-    missing = [what for what, patterns in MODEL_FILES.items()
-               if os.path.isdir(path) and not any(glob.glob(p, root_dir=path) for p in patterns)]
+    missing = [what for what, patterns in MODEL_FILES.items() if os.path.isdir(path)
+               and not any(any(pathlib.Path(path).glob(p)) for p in patterns)]
     if missing:
         die(f"{cfg.model} holds no model: it has no {', no '.join(missing)}")
     try:
@@ -634,8 +581,7 @@ def load_model_and_tokenizer(cfg):
     return (model if cfg.lora else model.float()), tok
 
 def chat_of(model, tok):
-    """The model's Chat, which also stops on generation_config's eos ids; a template that cannot
-    serve stops the run with one line that says why."""
+    """The model's Chat, stopping on generation_config's eos ids too, or one line why not."""
     try:
         chat = Chat(tok, model.generation_config.eos_token_id)
     except ValueError as e:  # no template, or one whose turns never end
@@ -643,8 +589,6 @@ def chat_of(model, tok):
     if chat.fold_system:  # Gemma 2: "System role not supported"
         say("note: the chat template rejects a system message: its text starts the first user one")
     return chat
-
-
 
 # FSDP2: every rank holds 1/G of each tensor, and runs the same collectives
 def start_distributed():
@@ -665,9 +609,7 @@ def all_reduce(values, op=dist.ReduceOp.SUM):
     return t.tolist()
 
 def shard(model, cfg, layer_names):
-    """FSDP2: each rank keeps 1/G of every tensor; a decoder layer is gathered only to compute.
-    Rank 0 sends each rank its shards of the weights it read (the others are on the meta device):
-    the host holds the model once, not once per rank."""
+    """FSDP2: each rank keeps 1/G of every tensor, sent by rank 0 (the others' are on meta)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     weights = model.state_dict() if RANK == 0 else {}
@@ -679,8 +621,7 @@ def shard(model, cfg, layer_names):
             fully_shard(module, mp_policy=policy)
     # the root is the HF model inside peft's wrapper: generate() calls it without the wrapper
     fully_shard(model.get_base_model() if cfg.lora else model, mp_policy=policy)
-    # memory in place: tied weights (embedding and head) stay one tensor, which loading into meta
-    # parameters would split
+    # memory in place: tied weights (embedding and head) stay one tensor (meta would split them)
     if RANK > 0:
         model.to_empty(device=DEVICE)
     else:
@@ -692,41 +633,29 @@ def shard(model, cfg, layer_names):
 
 @contextlib.contextmanager
 def playing(model, worlds, cfg, desc):
-    """A rollout's machinery: its progress bar (rank 0's), FSDP's layers kept gathered with
-    --rollout-full-weights, and on an error (Ctrl-C, CUDA out of memory) its worlds closed: no
-    world outlives the rollout."""
+    """A rollout's bar; with --rollout-full-weights FSDP's layers gathered to its end (no all-gather
+    per token, more memory); on an error (Ctrl-C, out of memory) its worlds closed."""
+    from torch.distributed.fsdp import FSDPModule
     bar = tqdm(desc=desc, leave=False, disable=True if RANK else None)
+    layers = []  # the FSDP modules but the root, which FSDP keeps gathered after its forward
+    if cfg.rollout_full_weights:
+        layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
+    for layer in layers:
+        layer.set_reshard_after_forward(False, recurse=False)
     try:
-        with layers_gathered(model, cfg.rollout_full_weights):
-            yield bar
+        yield bar
     except BaseException:
         for world in worlds:
             getattr(world, "close", lambda: None)()
         raise
-    bar.close()
-
-@contextlib.contextmanager
-def layers_gathered(model, gathered):
-    """--rollout-full-weights: FSDP's layers stay gathered from their first forward to the end of
-    the rollout (no all-gather per sampled token, more memory), then are sharded for the update."""
-    from torch.distributed.fsdp import FSDPModule
-    layers = []  # the FSDP modules but the root, which FSDP keeps gathered after its forward
-    if gathered:
-        layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
-    for layer in layers:
-        layer.set_reshard_after_forward(False, recurse=False)
-    yield
-    for layer in layers:  # (reshard() is not recursive)
+    for layer in layers:  # sharded again for the update (reshard() is not recursive)
         layer.reshard()
         layer.set_reshard_after_forward(True, recurse=False)
-
-
+    bar.close()
 
 # The update's log-probs: log p(target) per position without the [tokens x vocab] logits
 def token_logprobs(model, ids, attn, temperature):
-    """log p(x_t | x_<t) of each next token [B, T-1] at the sampling temperature. The model's LM
-    head is section 9's log-prob head (chunked_logprob_head): while head.scoring is set,
-    `.logits` holds log p(target) per position, computed in chunks: no [tokens x vocab] tensor."""
+    """log p(x_t | x_<t) [B, T-1] at the temperature: `.logits`, while the head is `scoring`."""
     head = model.get_output_embeddings()
     # forward would cap what the head returns, log p: the head caps the logits instead
     config = model.config.get_text_config()
@@ -742,12 +671,11 @@ def token_logprobs(model, ids, attn, temperature):
             config.final_logit_softcapping = softcap
 
 def chunked_logprob_head(head, chunk):
-    """While `head.scoring` is (targets, temperature, softcap), the LM head returns log p(target)
-    per position, `chunk` positions at a time, each recomputed in backward: the [tokens x vocab]
-    logits (19 GB for 32k tokens of Qwen's vocabulary) never exist. FSDP has the head gathered."""
+    """While `head.scoring` is (targets, temperature, softcap), the head returns log p(target),
+    `chunk` positions at a time, recomputed in backward: no [tokens x vocab] logits (32k: 19 GB)."""
     head.scoring = None
     head.chunk = chunk
-    head.forward = types.MethodType(logprob_head_forward, head)  # a bound method survives deepcopy
+    head.forward = logprob_head_forward.__get__(head)  # a bound method survives deepcopy
 
 def logprob_head_forward(self, hidden):
     if self.scoring is None:
@@ -770,8 +698,6 @@ def logprob_piece(hidden, weight, bias, targets, temperature, softcap):
     logits.div_(temperature)  # in place: one [chunk x vocab] tensor less
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
-
-
 # The KV-cache pre-flight: a wave that cannot fit the GPU stops the run before it starts
 def wave_size(cfg, eval_tasks, train_tasks):
     """The most episodes a rank plays at once: its share of a rollout, at most --batch-episodes."""
@@ -780,8 +706,7 @@ def wave_size(cfg, eval_tasks, train_tasks):
     return min(cfg.batch_episodes, wave)
 
 def check_kv_cache(cfg, model, wave):
-    """Stop before the first rollout if a wave's KV cache, every episode at the context cap, would
-    not fit in the GPU's free memory: a line that says what to set, not an out-of-memory error."""
+    """A wave's KV cache (each episode at the cap) that cannot fit the GPU: one line to say so."""
     text = model.config.get_text_config()
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -798,8 +723,6 @@ def check_kv_cache(cfg, model, wave):
         die(f"a wave of {wave} episodes of up to {cfg.max_context} tokens needs {need:.1f} GiB of "
             f"KV cache per GPU and {free / 2**30:.1f} GiB are free: set {room} or lower")
 
-
-
 # Checkpoints: trainable weights (the adapter with LoRA) and optimizer state by name through
 # torch.distributed.checkpoint, one shard per rank, loadable by any number of ranks; the final model
 def train_state(model, opt, optimizer):
@@ -810,8 +733,7 @@ def train_state(model, opt, optimizer):
     return {"model": weights, "optim": sd.get_optimizer_state_dict(model, opt) if optimizer else {}}
 
 def save_checkpoint(run_dir, model, opt, iteration):
-    """Written under a temporary name, then renamed: a kill at any moment leaves a complete
-    checkpoint of this iteration or the one before. No RNG state: iterations seed themselves."""
+    """Written to checkpoint.tmp, then put in place. No RNG state: iterations seed themselves."""
     import torch.distributed.checkpoint as dcp
     path = os.path.join(run_dir, "checkpoint")
     if RANK == 0:
@@ -823,8 +745,8 @@ def save_checkpoint(run_dir, model, opt, iteration):
         put_in_place(path)
 
 def put_in_place(path):
-    """The folder path.tmp, written whole, becomes path. Between the two renames the one before is
-    path.old: a kill at any moment leaves a complete folder under one of the three names."""
+    """path.tmp, written whole, becomes path (the one before is path.old between the renames): a
+    kill at any moment leaves a complete folder under one of the three names."""
     if os.path.isdir(path):
         shutil.rmtree(path + ".old", ignore_errors=True)  # what a kill may have left
         os.replace(path, path + ".old")
@@ -843,9 +765,7 @@ def last_checkpoint(run_dir):
     return paths[0], state["iteration"]
 
 def load_checkpoint(path, model, opt, cfg):
-    """The trainable weights and AdamW's state from a checkpoint, which trains on with the learning
-    rate and weight decay of the settings (AdamW's state brings the checkpoint's), saying so where
-    they differ."""
+    """Trainable weights and AdamW's state, then the settings' lr and weight decay (said if new)."""
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.state_dict as sd
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -864,9 +784,8 @@ def load_checkpoint(path, model, opt, cfg):
         say(f"resuming with {' and '.join(changed)}")
 
 def save_model(run_dir, model, tok, iteration):
-    """The full weights (or the LoRA adapter) and the tokenizer, loadable with from_pretrained,
-    and trained.json: the iterations they were trained for, which --eval of them reports. Written
-    to model.tmp and renamed, as a checkpoint is: model/ is complete or absent (32B: minutes)."""
+    """The weights (or the LoRA adapter) and the tokenizer, and trained.json (the iterations, which
+    --eval reports), written to model.tmp and renamed: model/ is complete or absent."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)  # every rank: it gathers the shards
@@ -889,8 +808,6 @@ def write_atomically(path, text):
     pathlib.Path(path + ".tmp").write_text(text)
     os.replace(path + ".tmp", path)
 
-
-
 # The log: metrics.jsonl, the console, TensorBoard and wandb; transcripts
 def read_metrics(path):
     """The rows of a metrics.jsonl; a line cut short by a kill while it was written is dropped."""
@@ -903,10 +820,8 @@ def read_metrics(path):
     return rows
 
 class Log:
-    """Rank 0's record of a run: each metrics row to metrics.jsonl and as a short line to the
-    console; with --track every number to TensorBoard and/or wandb (imported only then), under
-    train/ or the split evaluated, with the iteration as the step. A resumed run's trackers go on
-    from `redone`, the first iteration it logs again: each iteration is in them once."""
+    """Rank 0's record: each row to metrics.jsonl, a short line to the console; with --track every
+    number to TensorBoard, wandb or both (train/ or the split; a resume's from `redone` on)."""
 
     def __init__(self, cfg, run_dir, redone=0):
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -957,8 +872,7 @@ def summary(row):
             f"{row['clip_fraction']:.3f}{failed}, {row['seconds']:.0f} s")
 
 def write_transcripts(run_dir, split, iteration, episodes, scenario):
-    """Rank 0 writes the first episode of 3 scenarios spread over the split, the same each time (a
-    split's first tasks may all be of a kind solved before any training)."""
+    """Rank 0's: the first episode of 3 scenarios spread over the split, the same each time."""
     if RANK > 0:
         return
     first = {}
@@ -976,17 +890,13 @@ def transcript(e):
     head = f"=== {e.task_id}: {e.checks[0]} of {e.checks[1]} checks passed{failed}\n"
     return head + "".join(f"--- {m['role']}\n{m['content']}\n" for m in e.transcript) + "\n"
 
-
-
 # The run directory: claimed, named, resumed, finished
 class Run:
-    """A run's directory and its life, entered by main as one `with`: FSDP's process group, the
-    directory claimed (a fresh run) or resumed and its last checkpoint; on the way out, Ctrl-C's
-    line (exit code 130), the line of a run whose worlds all failed (exit code 1), the group's
-    teardown."""
+    """A run as one `with`: FSDP's group, the directory claimed or resumed; on the way out Ctrl-C's
+    line (exit code 130), that of a run whose worlds all failed (exit code 1), the teardown."""
 
     def __init__(self, cfg, World):
-        self.cfg, self.World, self.bar, self.logger = cfg, World, None, None
+        self.cfg, self.World, self.bar = cfg, World, None
 
     def __enter__(self):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1-process DCP
@@ -1002,8 +912,7 @@ class Run:
 
     @contextlib.contextmanager
     def starting(self):
-        """A start that fails (an error, die(), Ctrl-C) leaves the directory as it was, or none.
-        Once started: a resume's settings and its metrics up to its checkpoint kept, the log."""
+        """A start that fails (an error, die(), Ctrl-C) leaves the directory as it was, or none."""
         try:
             yield
         except BaseException:
@@ -1023,12 +932,8 @@ class Run:
             write_atomically(metrics, "".join(json.dumps(r) + "\n" for r in rows))
         # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
         self.evaluated_at_0 = all_reduce([any("split" in r for r in rows)], dist.ReduceOp.MAX)[0]
-        if RANK == 0:  # the rows are reduced over the ranks; trackers hide what an interrupted
-            self.logger = Log(cfg, self.dir, 1 + max((r["iteration"] for r in rows), default=-1))
-
-    def log(self, row):
-        if self.logger:
-            self.logger(row)
+        redone = 1 + max((r["iteration"] for r in rows), default=-1)  # trackers redo what follows
+        self.log = Log(cfg, self.dir, redone) if RANK == 0 else lambda row: None  # rows: all ranks'
 
     def progress(self, iterations):
         """The training's progress bar, closed before the run's last line."""
@@ -1056,21 +961,20 @@ class Run:
             sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
             started = os.path.exists(os.path.join(self.dir, "config.json"))
             launcher = ["torchrun", "--nproc_per_node", "G"] if self.cfg.fsdp else ["python"]
-            say(f"\ninterrupted: continue with `{shell(*launcher, sys.argv[0], '--resume', self.dir)}`"
-                if started else "\ninterrupted before the run started: nothing written")
+            resume = shell(*launcher, sys.argv[0], "--resume", self.dir)
+            say(f"\ninterrupted: continue with `{resume}`" if started else
+                "\ninterrupted before the run started: nothing written")
             sys.exit(130)
         if kind is WorldsFailed:
-            if RANK == 0:
-                print(f"error: {error}", file=sys.stderr)
+            say(f"error: {error}")
             sys.exit(1)
         if kind is None and self.cfg.fsdp:  # not after an error: the failed rank would wait here
             dist.barrier()  # no rank tears the group down while another still writes the model
             dist.destroy_process_group()
 
 def claim(cfg):
-    """A fresh run's directory, taken at once by writing its config.json where there is none
-    (O_EXCL): two runs never share one, whenever each started. A default name (runs/<time>) takes
-    the next free suffix. Rank 0 claims it for every rank; returns it and the folders made."""
+    """A fresh run's directory, taken by writing its config.json (O_EXCL): two runs never share one;
+    a default name takes the next free suffix. Returns it and the folders made (rank 0's)."""
     claimed = [None, [], None]  # the directory, the folders made, an error
     if RANK == 0:
         base = cfg.out or default_out(cfg)
@@ -1098,8 +1002,7 @@ def claim(cfg):
     return claimed[0], claimed[1]
 
 def taken_by(run_dir, model):
-    """Why a fresh run may not write into run_dir, or None: it writes only where nothing of the
-    user's is (a new or empty folder), never over the model it starts from."""
+    """Why a fresh run may not write into run_dir (only a new or empty folder), or None."""
     out, weights = os.path.realpath(run_dir), os.path.realpath(os.path.expanduser(model))
     if os.path.isdir(weights) and os.path.commonpath([out, weights]) == out:
         return f"--out {run_dir} holds the model the run starts from ({model}): give another --out"
@@ -1114,8 +1017,7 @@ def taken_by(run_dir, model):
     return None
 
 def default_out(cfg):
-    """runs/<time>; an evaluation is named after what it evaluates: RUN/eval-<split> for a run's
-    model/, else runs/eval-<the model's name>-<split>."""
+    """runs/<time>; an evaluation: RUN/eval-<split> (of RUN/model) or runs/eval-<model>-<split>."""
     if not cfg.eval:
         return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     model = os.path.normpath(os.path.expanduser(cfg.model))
@@ -1141,9 +1043,7 @@ def settings_text(cfg, run_dir):
     return json.dumps(settings, indent=1)
 
 def next_steps(cfg, World, run_dir):
-    """The commands that look at a finished run, as a shell reads them: its figures, its model's
-    evaluation, the model playing a task. The tools import a world a script registered by its
-    module:Class (one the script itself defines they cannot: no play line)."""
+    """The commands that look at a finished run; the tools name a registered world module:Class."""
     model = os.path.join(run_dir, "model")
     script = sys.argv[0]  # loop.py, or the script that registered the world, as it was run
     launcher = ["torchrun", "--nproc_per_node", "G", script, "--fsdp"] if cfg.fsdp else ["python",

@@ -1,13 +1,22 @@
-"""LOOP: Leave-One-Out PPO for LLM agents in stateful environments (arXiv 2502.01600), in one file.
+"""LOOP: Leave-One-Out PPO for LLM agents in stateful environments (arXiv 2502.01600).
 
 The agent writes Python that calls app APIs over many turns; the whole episode is one token
 sequence in which only the tokens the policy sampled are actions (the POMDP of paper §4.1).
 Each iteration samples N tasks x K rollouts, scores them, turns returns into leave-one-out
-advantages (Eq. 3) and takes PPO steps on a per-token clipped objective (Eq. 5): no critic,
-no reference model, one copy of the LLM. After the settings (1), sections 2-6 are the algorithm
-(ALGO LOGIC: read them first); 7-12 are infrastructure (loading, FSDP, the log-prob head, the
-KV-cache pre-flight, checkpoints, the log); 13 is main. The worlds live beside this file:
-tiny_world.py (its docstring is their interface) and appworld_env.py.
+advantages (Eq. 3) and takes PPO steps on a per-token clipped objective (Eq. 5): no critic, no
+reference model, one copy of the LLM. This file reads top to bottom: the settings (1), the
+algorithm in the paper's order (2-6, ALGO LOGIC), then main, Algorithm 1 (7). Each call into the
+machinery (processes, FSDP, files) is marked infra.X: infra.py holds it. The worlds live beside
+it: tiny_world.py (its docstring is their interface) and appworld_env.py.
+
+Where it departs from the paper, as the reference code does or to survive a long run: the ratio
+clip is [1/(1+eps), 1+eps], not [1-eps, 1+eps]; the gradient-norm clip is --grad-clip 1.0 (the
+reference code's: 0.1); an iteration stops at a minibatch whose |KL| is above --max-kl 20, KL
+being a rollout's sum over its tokens of log p_psi - log p_theta, averaged over the minibatch
+(reference code); rollouts with |A| < 0.01 are dropped, all of them if none has signal (the
+reference code keeps one a GPU); a rollout whose world failed (died, hung, answered what the
+interface does not allow) leaves its leave-one-out group: it is not trained on, and the others'
+advantages are over K-1.
 
     python loop.py --tiny                      # a tiny model in a tiny world, minutes on a CPU
     python loop.py --eval --split test --tiny  # TGC/SGC only
@@ -30,11 +39,9 @@ import infra
 from appworld_env import AppWorldEnv
 from tiny_world import TinyWorld
 
-
 # 1. Settings: each field of Config is a flag with its help line; the world --env names
 def setting(default, doc, at_least=None, at_most=None, choices=None):
-    """A field with its one-line help and its rule, kept at run time (--help needs no source file).
-    A number is finite, and > 0 unless at_least says otherwise."""
+    """A field with its help and rule (a number is finite, > 0 unless at_least says otherwise)."""
     rule = {"at_least": at_least, "at_most": at_most, "choices": choices}
     return dataclasses.field(default=default, metadata={"doc": doc, **rule})
 
@@ -43,15 +50,15 @@ class Config:
     # the run
     env: str = setting("appworld", "appworld, tiny (AppWorld in miniature), or your module:Class.")
     model: str = setting("Qwen/Qwen2.5-32B-Instruct", "Hugging Face model id or local directory.")
-    seed: int = setting(0, "Seed for Python, torch and task sampling.", at_least=0,
-                        at_most=2**32 - 1)
+    seed: int = setting(0, "Seed of Python, torch, task sampling.", at_least=0, at_most=2**32 - 1)
     out: str = setting("", "Run directory of metrics, transcripts, weights (default runs/<time>).")
     resume: str = setting("", "Run directory to continue from its last complete checkpoint.")
-    iterations: int = setting(200, "Training iterations (reference code: 200); 0: evaluate only.",
-                              at_least=0)
+    iterations: int = setting(200, "Training iterations (reference code: 200); 0: a run of its "
+                              "iteration-0 evaluation alone, resumable with more.", at_least=0)
     train_split: str = setting("train", "Split the training tasks come from.")
     split: str = setting("test", "Split that evaluation reports TGC/SGC on.")
-    eval: bool = setting(False, "Only evaluate `split`, no training.")
+    eval: bool = setting(False, "Only evaluate --model on `split`: no run, nothing to resume "
+                         "(a run's model/ at the iteration it was trained to).")
     eval_every: int = setting(10, "Iterations between evaluations (also at the first and last).")
     track: str = setting("", "Also log metrics to tensorboard, wandb, or both (tensorboard,wandb).")
     # the paper's hyper-parameters
@@ -67,20 +74,18 @@ class Config:
     ratio: str = setting("token", "Importance ratio: token (Eq. 5), turn, trajectory, none (RLOO).",
                          choices=["token", "turn", "trajectory", "none"])
     normalize_rewards: bool = setting(False, "Divide each A by its group's std (RwNorm, not LOOP).")
-    min_abs_advantage: float = setting(0.01, "Rollouts with |A| below this are dropped: no signal.",
-                                       at_least=0)
-    max_kl: float = setting(20.0, "Abandon an iteration at a minibatch whose |KL| is above this.")
+    min_abs_advantage: float = setting(0.01, "Rollouts with |A| below it are dropped.", at_least=0)
+    max_kl: float = setting(20.0, "Abandon an iteration at a minibatch whose |KL| (a rollout's "
+                            "sum over its tokens) is above this.")
     # rollouts
     max_turns: int = setting(40, "Turns per training episode (paper: 40).")
     eval_max_turns: int = setting(50, "Turns per evaluation episode (paper: 50).")
     max_new_tokens: int = setting(1500, "Tokens the policy may sample per turn (paper: 1500).")
     max_context: int = setting(32768, "Tokens an episode may hold: it ends at this cap.")
     max_obs_tokens: int = setting(3000, "Observations are cut at this many tokens, with a note.")
-    code_timeout: float = setting(30.0, "Seconds the agent's code may run per turn (<= a day).",
-                                  at_most=86400)
+    code_timeout: float = setting(30.0, "Seconds agent code may run a turn.", at_most=86400)
     temperature: float = setting(1.0, "Temperature of training rollouts, and of their scoring.")
-    eval_temperature: float = setting(0.0, "Sampling temperature for evaluation (0 = greedy).",
-                                      at_least=0)
+    eval_temperature: float = setting(0.0, "Evaluation's temperature (0 = greedy).", at_least=0)
     batch_episodes: int = setting(6, "Episodes played at once per rank (32B: 8.6 GB of KV each).")
     # systems: memory and GPUs
     micro_batch_size: int = setting(4, "Rollouts per forward/backward pass; gradients accumulate.")
@@ -99,15 +104,13 @@ def environment(name):
     return ENVS[name] if name in ENVS else infra.import_world(name, ENVS)
 
 def parse_config(argv):
-    """The settings of a run, laid over each other and checked (infra.parse_config); an --env
-    that names no world stops here too, before any work."""
+    """The run's settings, checked (an --env that names no world too) before any work."""
     cfg = infra.parse_config(Config, argv, __doc__)
     environment(cfg.env)
     return cfg
 
 def mean(values):
     return sum(values) / len(values) if values else 0.0
-
 
 # ============================== ALGO LOGIC: LOOP, read this first ===============================
 # 2. Rollouts: the POMDP of paper §4.1. One token sequence per episode; `is_output` marks the
@@ -162,16 +165,14 @@ def generate(model, chat, prompts, temperature, max_new_tokens, cache=None):
 
 def rollout(model, chat, worlds, task_ids, cfg, temperature, max_turns, desc="rollout",
             carry_cache=True):
-    """The POMDP (§4.1), a wave of batch_episodes at a time, so that one wave's KV cache and
-    worlds exist at a time. Each turn, one batched generation for the wave's live episodes, then
-    their code runs in their worlds; a wave that ended is scored and the next begins. Every rank
-    runs as many generations as the busiest one (FSDP's collectives match), with a dummy if it
-    has no episode left. carry_cache=False re-prefills every turn (a reference for tests)."""
+    """The POMDP (§4.1) in waves of --batch-episodes: each turn, one batched generation for the
+    live episodes, then their code runs in their worlds. Every rank runs the busiest's turns (FSDP),
+    with a dummy if it has none left. carry_cache=False re-prefills every turn (for the tests)."""
     model.eval()
     pairs = list(zip(worlds, task_ids))
     waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
-    episodes, wave, cache, turn = [], [], infra.WaveCache(), 0  # (a rank with no task plays dummies)
-    with infra.playing(model, worlds, cfg, desc) as bar:  # gathered layers; worlds closed on an error
+    episodes, wave, cache, turn = [], [], infra.WaveCache(), 0  # a rank may have no task at all
+    with infra.playing(model, worlds, cfg, desc) as bar:  # FSDP; Ctrl-C closes the worlds
         while True:
             while waves and all(e.done for e in wave):  # the wave ended: the next begins
                 score_wave(wave)
@@ -210,15 +211,17 @@ def start_wave(pairs, chat, cfg):
         prompt = chat.prompt(messages)
         if len(prompt) >= cfg.max_context and not e.done:
             infra.die(f"the prompt of task {task_id} is {len(prompt)} tokens, and --max-context "
-                f"{cfg.max_context} leaves the agent no room to act: give a larger --max-context")
+                      f"{cfg.max_context} leaves the agent no room to act: give a larger "
+                      "--max-context")
         e.add(prompt)
         wave.append(e)
     return wave
 
 def score_wave(wave):
-    """A finished wave's worlds are evaluated together: reward = tests passed / tests."""
+    """A finished wave's worlds are evaluated together: reward = tests passed / tests. An episode
+    whose world failed (None) leaves its leave-one-out group: its reward is never used."""
     for e, result in zip(wave, infra.concurrently([e.world.evaluate for e in wave])):
-        e.failed = result is None  # the world broke: no reward, not even 0
+        e.failed = result is None
         passed, total = e.checks = result or (0, 1)
         e.reward = passed / total
         e.success = passed == total
@@ -250,16 +253,11 @@ def observe(e, output, last_turn, chat, cfg):
         closing = [] if e.ids[-1] == chat.eot else [chat.eot]  # a turn cut at max_new_tokens
         e.add(closing + chat.observation(observation))
 
-
-
-
-
 # 3. Leave-one-out advantages (Eq. 3)
 def loo_advantages(rewards, normalize=False, valid=None):
     """rewards [N, K] -> A_k = R_k - mean_{i!=k} R_i = K/(K-1) (R_k - mean R), no std division.
-    `valid` [N, K] marks the rollouts whose world did not fail: a failed one leaves its group,
-    whose K' others keep the exact leave-one-out advantage over themselves. NaN (no advantage)
-    for a failed rollout and for every rollout of a group with fewer than 2 left."""
+    `valid` [N, K]: a rollout whose world failed leaves its group, whose K' others keep the exact
+    leave-one-out advantage over themselves; NaN (none) for it and for a group of fewer than 2."""
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
     k = valid.sum(1, keepdim=True)
     mean = torch.where(valid, rewards, 0.0).sum(1, keepdim=True) / k.clamp(min=1)
@@ -268,7 +266,6 @@ def loo_advantages(rewards, normalize=False, valid=None):
         variance = torch.where(valid, rewards - mean, 0.0).square().sum(1, keepdim=True)
         adv = adv / (variance / k.clamp(min=1)).sqrt().clamp(min=1e-7)  # population std
     return torch.where(valid & (k >= 2), adv, math.nan)
-
 
 # 4. The clipped objective (Eq. 5) and its per-turn, per-trajectory, on-policy variants
 LOG_RATIO_BOUND = 40.0  # |log r| past this: no gradient (exp(40) x 3k tokens stays finite)
@@ -299,15 +296,68 @@ def loop_loss(logp, old_logp, adv, mask, turn_of, ratio="token", eps=0.1):
     n_clipped = (((bounded != log_r) | ((clipped * a) < (r * a))) & mask.bool()).sum()
     return -(objective * mask).sum(1) / n, n_clipped
 
+# 5. One LOOP iteration (the body of Algorithm 1), and its update: PPO epochs of minibatches
+def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
+    """N tasks x K rollouts -> leave-one-out advantages (Eq. 3) -> PPO epochs (Eq. 5); returns the
+    metrics row."""
+    started = time.time()
+    # seeded per iteration: a resumed run samples what the unbroken run would have
+    seed = cfg.seed * 10**6 + iteration * 1000
+    random.seed(seed + infra.RANK)
+    torch.manual_seed(seed + infra.RANK)
+    n_tasks = min(cfg.tasks_per_iteration, len(train_tasks))
+    tasks = random.Random(seed).sample(train_tasks, n_tasks)[infra.RANK::infra.WORLD]
+    k = cfg.rollouts_per_task
+    task_ids = [task for task in tasks for _ in range(k)]  # a task's K rollouts share a rank
+    World = environment(cfg.env)
+    # the K worlds of a task save their outputs apart
+    worlds = [infra.Hosted(World, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
+              for i, task in enumerate(task_ids)]
+    episodes = rollout(model, chat, worlds, task_ids, cfg, cfg.temperature, cfg.max_turns)
+    infra.stop_if_every_world_failed(episodes, f"iteration {iteration}")
+    rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
+    valid = torch.tensor([not e.failed for e in episodes], dtype=torch.bool).view(len(tasks), k)
+    advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
+    stats = update(model, opt, episodes, advantages, cfg)
+    row = rollout_metrics(episodes, World, (rewards * valid).sum().item())
+    return {"iteration": iteration, **row, **stats, "seconds": round(time.time() - started, 2)}
 
-# 5. The update: PPO epochs of minibatches on an iteration's rollouts; one LOOP iteration
+def rollout_metrics(episodes, World, reward):
+    """Means over all ranks' rollouts (`reward`: this rank's sum where the world held up)."""
+    sums = collections.Counter(reward=reward)
+    for e in episodes:
+        looked, erred, recovered = habits(e, World)
+        sums.update(episodes=1, failures=e.failed, success=e.success, turns=1 + max(e.turn_of),
+                    tokens=len(e.ids), looked=looked, erred=erred, recovered=recovered)
+    keys = ["episodes", "failures", "reward", "success", "turns", "tokens", "looked", "erred",
+            "recovered"]
+    t = dict(zip(keys, infra.all_reduce([sums[key] for key in keys])))
+    n, scored = t["episodes"], max(t["episodes"] - t["failures"], 1)  # scored: worlds held up
+    shares = {"looked_first": t["looked"] / n} if hasattr(World, "DOCS_CALL") else {}
+    if hasattr(World, "ERROR_PREFIX"):
+        shares.update(error_rate=t["erred"] / n, recovered=t["recovered"] / max(t["erred"], 1))
+    return {"reward_mean": t["reward"] / scored, "success_rate": t["success"] / scored,
+            "turns_mean": t["turns"] / n, "tokens_mean": t["tokens"] / n,
+            "env_failures": int(t["failures"]), **shares}
+
+def habits(e, World):
+    """Habits RL changes (§5), where the world names them: its first code reads the docs
+    (World.DOCS_CALL); it met an error (World.ERROR_PREFIX); it erred and still succeeded."""
+    replies = [m["content"] for m in e.transcript if m["role"] == "assistant"]
+    observations = [b["content"] for a, b in zip(e.transcript, e.transcript[1:])
+                    if a["role"] == "assistant"]
+    docs, error = getattr(World, "DOCS_CALL", None), getattr(World, "ERROR_PREFIX", None)
+    looked = docs is not None and bool(replies) and docs in extract_code(replies[0])
+    erred = error is not None and any(text.startswith(error) for text in observations)
+    return looked, erred, erred and e.success
+
 def update(model, opt, episodes, advantages, cfg):
     """PPO epochs over the iteration's rollouts. Under FSDP a minibatch spans the ranks (each takes
     its share of its own rollouts), each running as many passes (empty ones) as the busiest."""
     # a rollout without a leave-one-out group (NaN: its world failed) has no advantage at all
     used = [i for i, a in enumerate(advantages.tolist())
             if not math.isnan(a) and abs(a) >= cfg.min_abs_advantage]
-    counts = infra.all_reduce([len(used) * (r == infra.RANK) for r in range(infra.WORLD)])  # used, per rank
+    counts = infra.all_reduce([len(used) * (r == infra.RANK) for r in range(infra.WORLD)])
     stats = {"rollouts_used": int(sum(counts)), "steps": 0, "skipped_nan": 0, "abandoned": False,
              "kl": 0.0, "clip_fraction": 0.0, "loss": 0.0, "grad_norm": 0.0}
     if not sum(counts):
@@ -349,9 +399,8 @@ def update(model, opt, episodes, advantages, cfg):
     return stats
 
 def minibatches(order, counts, cfg):
-    """Each minibatch as this rank's micro-batches and the minibatch's size on all ranks. Under
-    FSDP a minibatch spans the ranks, each taking its share from its own rollouts (`counts`: every
-    rank's), and every rank runs as many minibatches and passes as the busiest (empty ones)."""
+    """Each minibatch as this rank's micro-batches, and its size over all ranks: under FSDP each
+    takes its share from its own rollouts (`counts`: every rank's); all run the busiest's passes."""
     share = math.ceil(cfg.minibatch_size / infra.WORLD)
     for j in range(max(math.ceil(n / share) for n in counts)):
         sizes = [min(share, max(0, n - j * share)) for n in counts]
@@ -383,7 +432,8 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
     for chunk in chunks:
         ids, attn, is_output, turn_of = pad_batch([episodes[i] for i in chunk])
         logp = infra.token_logprobs(model, ids, attn, cfg.temperature)
-        old_logp, adv = logp.detach(), torch.zeros(1, device=infra.DEVICE)  # an empty pass's: no action
+        # an empty pass (a rank with fewer rollouts) has no action
+        old_logp, adv = logp.detach(), torch.zeros(1, device=infra.DEVICE)
         if chunk:
             old_logp = torch.nn.utils.rnn.pad_sequence([old[i] for i in chunk], batch_first=True)
             adv = advantages[chunk].to(infra.DEVICE)
@@ -400,8 +450,8 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
 NO_OUTPUT = Episode("", None, ids=[0, 0], is_output=[False, False], turn_of=[-1, -1])
 
 def pad_batch(episodes):
-    """ids, attention mask, is_output and turn of the episodes, right-padded to one width. None (a
-    rank's empty pass, joining the others' collectives under FSDP) is a row with no action."""
+    """ids, attention mask, is_output and turn_of, right-padded; no episode (a rank's empty pass
+    under FSDP) is one row without an action: NO_OUTPUT."""
     episodes = episodes or [NO_OUTPUT]
     width = max(len(e.ids) for e in episodes)
 
@@ -410,47 +460,6 @@ def pad_batch(episodes):
 
     return (pad([e.ids for e in episodes], 0), pad([[1] * len(e.ids) for e in episodes], 0),
             pad([e.is_output for e in episodes], False), pad([e.turn_of for e in episodes], -1))
-
-
-def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
-    """N tasks x K rollouts -> leave-one-out advantages -> PPO epochs; returns the metrics row."""
-    started = time.time()
-    # seeded per iteration: a resumed run samples what the unbroken run would have
-    seed = cfg.seed * 10**6 + iteration * 1000
-    random.seed(seed + infra.RANK)
-    torch.manual_seed(seed + infra.RANK)
-    n_tasks = min(cfg.tasks_per_iteration, len(train_tasks))
-    tasks = random.Random(seed).sample(train_tasks, n_tasks)[infra.RANK::infra.WORLD]
-    k = cfg.rollouts_per_task
-    task_ids = [task for task in tasks for _ in range(k)]  # a task's K rollouts share a rank
-    World = environment(cfg.env)
-    # the K worlds of a task save their outputs apart
-    worlds = [infra.Hosted(World, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
-              for i, task in enumerate(task_ids)]
-    episodes = rollout(model, chat, worlds, task_ids, cfg, cfg.temperature, cfg.max_turns)
-    infra.stop_if_every_world_failed(episodes, f"iteration {iteration}")
-    rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
-    valid = torch.tensor([not e.failed for e in episodes], dtype=torch.bool).view(len(tasks), k)
-    advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
-    stats = update(model, opt, episodes, advantages, cfg)
-    sums = collections.Counter(reward=(rewards * valid).sum().item())  # this rank's, then all
-    for e in episodes:
-        looked, erred, recovered = habits(e, World)
-        sums.update(episodes=1, failures=e.failed, success=e.success, turns=1 + max(e.turn_of),
-                    tokens=len(e.ids), looked=looked, erred=erred, recovered=recovered)
-    keys = ["episodes", "failures", "reward", "success", "turns", "tokens", "looked", "erred",
-            "recovered"]
-    t = dict(zip(keys, infra.all_reduce([sums[key] for key in keys])))
-    n, scored = t["episodes"], max(t["episodes"] - t["failures"], 1)  # scored: worlds held up
-    # behaviour shares where the environment says what they count
-    shares = {"looked_first": t["looked"] / n} if hasattr(World, "DOCS_CALL") else {}
-    if hasattr(World, "ERROR_PREFIX"):
-        shares.update(error_rate=t["erred"] / n, recovered=t["recovered"] / max(t["erred"], 1))
-    return {"iteration": iteration, "reward_mean": t["reward"] / scored,
-            "success_rate": t["success"] / scored, "turns_mean": t["turns"] / n,
-            "tokens_mean": t["tokens"] / n, "env_failures": int(t["failures"]), **shares, **stats,
-            "seconds": round(time.time() - started, 2)}
-
 
 # 6. Evaluation: TGC = tasks whose tests all pass, SGC = scenarios all of whose tasks pass
 def scenario(task_id):
@@ -491,20 +500,6 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
     infra.write_transcripts(run_dir, split, iteration, episodes, scenario)
     return row
 
-
-def habits(e, World):
-    """Habits RL changes (§5), read from an episode's transcript where the world names them: its
-    first code reads the docs (World.DOCS_CALL); it met an error (World.ERROR_PREFIX); it erred and
-    still succeeded."""
-    replies = [m["content"] for m in e.transcript if m["role"] == "assistant"]
-    observations = [b["content"] for a, b in zip(e.transcript, e.transcript[1:])
-                    if a["role"] == "assistant"]
-    docs, error = getattr(World, "DOCS_CALL", None), getattr(World, "ERROR_PREFIX", None)
-    looked = docs is not None and bool(replies) and docs in extract_code(replies[0])
-    erred = error is not None and any(text.startswith(error) for text in observations)
-    return looked, erred, erred and e.success
-
-
 # 7. Main: Algorithm 1. The model and AdamW, the iteration-0 evaluation, then iterations of N x K
 #    rollouts -> leave-one-out advantages -> PPO epochs, evaluated every --eval-every, checkpointed
 def main(argv=None):
@@ -543,9 +538,8 @@ def start(cfg, World, checkpoint):
     if not trainable and not cfg.eval:  # a LoRA run's model/ loads its adapter frozen
         infra.die(f"{cfg.model} has no weights to train: evaluate it with --eval, or continue "
                   "the run that made it with --resume")
-    opt = None
-    if trainable:
-        opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay) if trainable \
+        else None
     if checkpoint:
         infra.load_checkpoint(checkpoint, model, opt, cfg)
     return model, tok, chat, opt, train_tasks

@@ -286,7 +286,7 @@ def test_help_shows_defaults_and_a_wrong_or_shortened_flag_is_one_line(capsys, t
         with pytest.raises(SystemExit) as stop:
             loop.parse_config(argv)
         out = " ".join(capsys.readouterr().out.split())
-        assert stop.value.code == 0 and "(reference code: 200); 0: evaluate only. (default: 15)" in out
+        assert stop.value.code == 0 and "resumable with more. (default: 15)" in out
         assert f"(paper: 6). (default: {4 if '--config' in argv else 3 if '3' in argv else 12})" in out
         assert f"(default: {os.path.join(HERE, 'assets', 'tiny-model')})" in out
     code, err = _error(capsys, "--iterations", "abc")

@@ -20,9 +20,8 @@ episode, each in a worker process of its own (infra.Hosted), and calls:
 
 A world that raises, dies, does not answer in time (its step: `timeout` + 5 s) or returns what
 this interface does not allow (its worker checks) fails its episode: no reward, and the run goes
-on; a run whose every world fails stops. The class must be importable by its
-module's name (defined at a module's top level), since a worker process imports it. Register it
-from your own script and run loop's command line (see the README):
+on; a run whose every world fails stops. Define the class at a module's top level (a worker
+process imports it); name it --env my_module:MyWorld, or register it from a script:
 
     import loop, my_world
     loop.ENVS["mine"] = my_world.MyWorld
@@ -82,8 +81,8 @@ def run_code(code, namespace, timeout, max_chars=20000):
     return re.sub(r" at 0x[0-9a-f]+", "", text)  # <function print at 0x7f..>: an address per run
 
 SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
-WORDS = random.Random(0).sample([a + b for a in SYLLABLES for b in SYLLABLES], 560)  # kofi, lena
-"""Names and product titles: two syllables each."""
+# names and product titles: two syllables each (kofi, lena)
+WORDS = random.Random(0).sample([a + b for a in SYLLABLES for b in SYLLABLES], 560)
 NUMBERS = [str(n) for n in random.Random(1).sample(range(10, 100), 90)]
 # Tasks draw from the first part of each pool; the tiny model's warm-up saw only the rest.
 TASK_VALUES = {"words": WORDS[:60], "numbers": NUMBERS[:30]}
