@@ -189,6 +189,54 @@ def _scripted_turns(codes_of_turn):
     return generate
 
 
+# ---------------- The shape: loop.py is the paper, infra.py the machinery, each within its budget
+def _lines(name):
+    with open(os.path.join(HERE, name)) as fh:
+        return fh.read().count("\n")  # as wc -l counts them
+
+
+def _code_lines(name):
+    """Lines that are not blank, a comment or part of a docstring."""
+    import ast
+    with open(os.path.join(HERE, name)) as fh:
+        source = fh.read()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for n, line in enumerate(source.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and n not in docstrings)
+
+
+def _imports(name):
+    import ast
+    with open(os.path.join(HERE, name)) as fh:
+        tree = ast.parse(fh.read())
+    return {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names} | {
+        node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_each_file_keeps_its_budget_and_its_place():
+    """What a reader reads next to the paper stays readable: loop.py at most 700 lines (500 of code),
+    none over 100 characters, so new machinery goes to infra.py; the tiny world, the template a
+    forker copies, at most 220; all modules beside the tests at most 2,000; the README at most 300.
+    infra.py never imports loop, the worlds neither, and loop.py reads infra's names late (infra.X)."""
+    modules = [name for name in os.listdir(HERE) if name.endswith(".py") and name != "test_loop.py"]
+    assert {"loop.py", "infra.py", "tiny_world.py", "appworld_env.py", "chat.py"} <= set(modules)
+    assert _lines("loop.py") <= 700 and _code_lines("loop.py") <= 500
+    with open(os.path.join(HERE, "loop.py")) as fh:
+        assert not [line for line in fh.read().splitlines() if len(line) > 100]
+    assert _lines("tiny_world.py") <= 220
+    assert sum(map(_lines, modules)) <= 2000, {name: _lines(name) for name in modules}
+    assert _lines("README.md") <= 300
+    assert "loop" not in _imports("infra.py") and "loop" not in _imports("chat.py")
+    assert not {"loop", "infra"} & (_imports("tiny_world.py") | _imports("appworld_env.py"))
+    with open(os.path.join(HERE, "loop.py")) as fh:
+        assert "from infra import" not in fh.read()
+
+
 # ---------------- 1. Settings: defaults, tiny_config.json, --config, flags; a mistake is one line
 def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
     path = tmp_path / "c.json"
@@ -1653,7 +1701,374 @@ def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, mo
     assert {t: v["success"] for t, v in official.items()} == row["per_task"]
 
 
-# ---------------- 7-10. Infrastructure: loading, LoRA, FSDP2, the log-prob head; the chat template (chat.py)
+# ---------------- 7. Main (Algorithm 1): whole runs, a new environment, Ctrl-C, worlds that fail, a failing rank
+def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_printed(tmp_path, capsys):
+    """...and the commands it prints are quoted for a shell: its directory's name has a space and a quote."""
+    out = tmp_path / "Kofi's run"
+    loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
+    said = capsys.readouterr().err
+    assert f"finished: {out} holds metrics.jsonl, transcripts/ and the trained model/. Next:" in said
+    assert f"\n  python {os.path.join(HERE, 'tools', 'plot.py')} {shlex.quote(str(out))}\n" in said
+    assert f"tools/play.py --tiny --model {shlex.quote(str(out / 'model'))} --task order00_1" in said
+    suggested = shlex.split(next(line for line in said.splitlines() if "--eval" in line))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "reward_mean" in r and "split" not in r]
+    evals = [r for r in rows if r.get("split") == "test"]
+    assert [r["iteration"] for r in train] == [1, 2]
+    assert [r["iteration"] for r in evals] == [0, 1, 2]
+    for r in train:
+        assert {"reward_mean", "success_rate", "kl", "clip_fraction", "seconds"} <= set(r)
+        assert 0 <= r["reward_mean"] <= 1 and 0 <= r["clip_fraction"] <= 1 and math.isfinite(r["kl"])
+    for r in evals:
+        assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
+        assert len(r["per_task"]) == len(tiny_world.TinyWorld.tasks("test"))
+    assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
+    shown = (out / "transcripts" / "test_iter0002.txt").read_text()
+    heads = re.findall(r"^=== (\w+): \d of \d checks passed$", shown, flags=re.M)
+    assert heads == ["order00_1", "payback00_1", "phone00_1"]  # spread over the split's scenarios
+    # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
+    _, tok = infra.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]))
+    _, shipped = infra.load_pretrained(loop.parse_config(["--tiny"]))
+    text = fence(make_tiny_model.demo(random.Random(0))[1][0])
+    assert Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
+    assert tok(text)["input_ids"] == shipped(text)["input_ids"]
+    assert suggested[2:] == ["--tiny", "--eval", "--model", str(out / "model")]
+    loop.main(suggested[2:])  # written beside the run's own files, in RUN/eval-<split>
+    assert f"writing to {out / 'eval-test'}" in capsys.readouterr().err
+    again = json.loads((out / "eval-test" / "metrics.jsonl").read_text().splitlines()[0])
+    assert again["split"] == "test" and again["reward_mean"] == pytest.approx(evals[-1]["reward_mean"])
+    assert again["per_task"] == evals[-1]["per_task"] and again["iteration"] == 2  # trained for 2
+    assert (out / "eval-test" / "transcripts" / "test_iter0002.txt").read_text() == shown
+
+
+SUM_WORLD = '''
+import sys
+sys.path.insert(0, {here!r})
+import infra
+import loop
+import tiny_world
+from chat import Chat
+
+
+class SumWorld:
+    """Only what tiny_world.py's docstring requires: no done, no close(), no behaviour strings."""
+
+    @staticmethod
+    def tasks(split):
+        return [f"sum{{i}}_1" for i in range(4)]
+
+    def __init__(self, task_id, timeout, experiment):
+        self.timeout = timeout
+        self.codes = []
+
+    def messages(self):
+        return [{{"role": "system", "content": tiny_world.TinyWorld.SYSTEM}},
+                {{"role": "user", "content": "Order the item at the top of my wishlist."}}]
+
+    def step(self, code):
+        self.codes.append(code)
+        return tiny_world.run_code(code, {{}}, self.timeout)
+
+    def evaluate(self):  # a check for code at all, one for calling the supervisor
+        return (bool(self.codes) + any("supervisor" in code for code in self.codes), 2)
+'''
+REGISTER_SUM_WORLD = '''
+import loop
+from sum_world import SumWorld
+
+loop.ENVS["sum"] = SumWorld
+loop.main()
+'''
+EXITING_SUM_WORLD = REGISTER_SUM_WORLD.replace("loop.main()", "raise SystemExit(loop.main())")
+
+
+def test_a_new_environment_with_only_the_required_members_trains_as_module_colon_class(tmp_path):
+    """--env module:Class from the directory the command runs in, with no script of the forker's;
+    and the other way, a script that registers the world and runs loop's command line."""
+    (tmp_path / "sum_world.py").write_text(SUM_WORLD.format(here=HERE))
+    (tmp_path / "my_world.py").write_text(REGISTER_SUM_WORLD)
+    small = ["--tiny", "--tasks-per-iteration", "4", "--rollouts-per-task", "3", "--max-turns", "2",
+             "--eval-max-turns", "2"]
+    r = _run_command([sys.executable, os.path.join(HERE, "loop.py"), *small, "--env", "sum_world:SumWorld",
+                      "--iterations", "1", "--out", "run"], timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    train, final = [r for r in infra.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
+    assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
+    assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
+    assert "tools/play.py --env sum_world:SumWorld --model run/model --task sum0_1" in r.stderr
+    r = _run_command([sys.executable, os.path.join(HERE, "tools", "play.py"), "--env", "sum_world:SumWorld",
+                      "--model", "run/model", "--task", "sum0_1"], timeout=300,
+                     cwd=tmp_path)  # the tools take the world by the same name, from the same directory
+    assert r.returncode == 0 and "=== sum0_1: " in r.stdout and "reward " in r.stdout, r.stderr[-2000:]
+    r = _run_command([sys.executable, "my_world.py", *small, "--env", "sum", "--iterations", "0", "--out", "reg"],
+                     timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [row["tasks"] for row in infra.read_metrics(tmp_path / "reg" / "metrics.jsonl")] == [4]
+    # one that exits as loop.main() returns, unguarded, ends every world's worker as it starts
+    (tmp_path / "exiting.py").write_text(EXITING_SUM_WORLD)
+    r = _run_command([sys.executable, "exiting.py", *small, "--env", "sum", "--iterations", "0", "--out", "exit"],
+                     timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE})
+    assert r.returncode == 1 and r.stderr.splitlines()[-1].endswith(
+        "a script that registers a world runs loop.main() under if __name__ == '__main__'"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("env, message", [
+    ("nosuch_world:World", "--env nosuch_world:World: cannot import nosuch_world: ModuleNotFoundError: No module named 'nosuch_world'"),
+    ("sum_world:Nope", "--env sum_world:Nope: sum_world has no class Nope"),
+    ("half_world:HalfWorld", "--env half_world:HalfWorld: HalfWorld has no step, evaluate (the interface is in tiny_world.py's docstring)"),
+    ("broken_world:World", "--env broken_world:World: cannot import broken_world: NameError: name 'undefined' is not defined"),
+    ("sum", "--env takes tiny, appworld or module:Class (your world), not 'sum'")])
+def test_an_environment_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch, env, message):
+    (tmp_path / "sum_world.py").write_text(SUM_WORLD.format(here=HERE))
+    (tmp_path / "half_world.py").write_text("class HalfWorld:\n    tasks = messages = staticmethod(list)\n")
+    (tmp_path / "broken_world.py").write_text("undefined\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("sum_world", "half_world", "broken_world"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(SystemExit) as stop:
+        loop.parse_config(["--tiny", "--env", env])
+    assert stop.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+
+
+class _Broken:
+    """A forker's world with a bug in step() for the tasks of its train and broken splits."""
+
+    @staticmethod
+    def tasks(split):
+        return [f"{split}_1", f"{split}_2"]
+
+    def __init__(self, task_id, timeout, experiment):
+        self.broken, self.done = not task_id.startswith("test"), False
+
+    def messages(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, code):
+        self.done = True
+        return undefined if self.broken else "ok"  # noqa: F821
+
+    def evaluate(self):
+        return 1, 1
+
+
+def test_a_run_whose_every_world_fails_stops_with_the_first_worlds_error(tmp_path, capsys, monkeypatch):
+    """Every world of an iteration, then of an evaluation, fails: the run stops there with one line
+    that gives the world's own error and what to do, exit code 1 (before, it went on for all its
+    iterations, training on nothing); the worlds' failure was said once, not once an episode."""
+    monkeypatch.setitem(loop.ENVS, "broken", _Broken)
+    monkeypatch.setattr(infra.Hosted, "said", set())
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        loop.main([*quick(), "--env", "broken", "--iterations", "3", "--out", str(run)])
+    err = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 1 and err[-1] == (
+        "error: every world failed in iteration 1 (8 episodes); the first: _Broken.step raised NameError: name "
+        "'undefined' is not defined: check the world with tools/play.py --solution")
+    assert [line for line in err if line.startswith("note: ")] == [
+        "note: _Broken.step raised NameError: name 'undefined' is not defined: its episode fails as the world's "
+        "(said once)"]
+    assert [row["iteration"] for row in infra.read_metrics(run / "metrics.jsonl")] == [0]  # its evaluation held up
+    with pytest.raises(SystemExit) as stop:
+        loop.main([*quick(), "--env", "broken", "--eval", "--split", "broken", "--out", str(tmp_path / "eval")])
+    assert stop.value.code == 1 and "every world failed in the evaluation of broken (2 episodes)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tasks, message", [
+    (lambda split: ["a_1"], "W.tasks(split) is called on the class: make it a @staticmethod"),
+    (staticmethod(lambda split: [] if split == "train" else ["a_1"]), "W.tasks('train') must return a non-empty list"),
+    (staticmethod(lambda split: "a_1"), "W.tasks('test') must return a non-empty list of task ids (str), not a_1"),
+    (staticmethod(lambda split: [1, 2]), "W.tasks('test') must return a non-empty list of task ids (str), not [1, 2]"),
+    (staticmethod(lambda split: ["a_1", "a_2", "a_1"]), "W.tasks('test') names task 'a_1' more than once"),
+])
+def test_the_tasks_of_a_world_are_checked_at_the_start(tmp_path, capsys, monkeypatch, tasks, message):
+    """tasks written without @staticmethod, an empty split, ids that are not a list of str or
+    repeat: one line before the model loads (before, a traceback at the first evaluation)."""
+    members = {name: getattr(_Broken, name) for name in ("messages", "step", "evaluate")}
+    monkeypatch.setitem(loop.ENVS, "w", type("W", (), {"tasks": tasks, **members}))
+    code, err = _error(capsys, *quick(), "--env", "w", "--out", str(tmp_path / "run"))
+    assert code == 2 and message in err and not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
+    """...a command a shell reads back: the script as it was run, a directory with a space quoted."""
+    run = tmp_path / "a run"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True, preexec_fn=_sigint_as_by_default)
+    try:
+        for line in proc.stdout:  # the iteration-0 evaluation is logged: training has begun
+            if line.startswith("iteration 0:"):
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the worlds' workers too
+        _, err = proc.communicate(timeout=60)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    script = os.path.join(HERE, "loop.py")
+    assert err.strip().splitlines()[-1] == f"interrupted: continue with `python {script} --resume '{run}'`"
+
+
+CUT_SHORT_BAR = """
+import sys
+sys.path.insert(0, {here!r})
+import tqdm
+import loop
+
+build = tqdm.tqdm.__init__
+
+def interrupted(self, *args, **kwargs):  # Ctrl-C while the training bar is being built
+    if kwargs.get("desc") == "LOOP":
+        self.disable = False  # where tqdm's constructor has come to: its position is not set yet
+        raise KeyboardInterrupt
+    build(self, *args, **kwargs)
+
+if __name__ == "__main__":
+    tqdm.tqdm.__init__ = interrupted
+    loop.main(["--tiny", "--iterations", "1", "--out", {run!r}])
+"""
+
+
+def test_ctrl_c_while_a_progress_bar_is_built_prints_no_traceback(tmp_path):
+    """A bar that Ctrl-C cut short in its constructor fails in __del__ at exit; the user still sees
+    the one line (the --tiny run above meets this moment: iteration 0 logged, the bar built next)."""
+    script = tmp_path / "cut.py"
+    script.write_text(CUT_SHORT_BAR.format(here=HERE, run=str(tmp_path / "run")))
+    r = _run_command([sys.executable, str(script)], timeout=300)
+    assert r.returncode == 130 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"interrupted: continue with `python {script} --resume")
+
+
+@pytest.fixture(scope="module")
+def qwen32b():
+    """Qwen2.5-32B-Instruct's shape on the meta device: no memory, the real KV size per token."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    config = Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                         num_attention_heads=40, num_key_value_heads=8)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_first(qwen32b, monkeypatch, capsys):
+    """The README's 8-GPU command with the default --batch-episodes: 6 episodes of 32k tokens of
+    Qwen2.5-32B are 48 GiB of KV cache (262,144 bytes a token), which fit the 71 GB an 80 GB GPU has
+    free beside the sharded LoRA states (docs/scaling.md's table: 8.4 GB). With 30 GiB free the run
+    stops with one line that says what to set; the old default (256 a rank) needed 2 TiB."""
+    free = {"bytes": int(80e9 - 8.4e9)}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (free["bytes"], int(80e9)))
+    cfg = loop.parse_config(["--fsdp", "--bf16", "--lora", "--activation-checkpointing", "--train-split", "train_paper",
+                             "--split", "dev", "--micro-batch-size", "1"])
+    assert cfg.model == "Qwen/Qwen2.5-32B-Instruct" and cfg.max_context == 32768 and cfg.batch_episodes == 6
+    infra.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)  # fits: nothing happens
+    free["bytes"] = 30 * 2**30
+    with pytest.raises(SystemExit) as stop:
+        infra.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert "6 episodes of up to 32768 tokens needs 48.0 GiB" in err and "set --batch-episodes 3 or lower" in err
+    with pytest.raises(SystemExit):  # the old default
+        infra.check_kv_cache(dataclasses.replace(cfg, batch_episodes=256), qwen32b, 30)
+    free["bytes"] = 4 * 2**30  # not one episode at the cap
+    with pytest.raises(SystemExit):
+        infra.check_kv_cache(cfg, qwen32b, 1)
+    assert "set --max-context 16384 or lower" in capsys.readouterr().err
+    for wave in (1, 6, 5):  # what it says to set fits its wave (before, 6 were told the cap of 1)
+        with pytest.raises(SystemExit):
+            infra.check_kv_cache(cfg, qwen32b, wave)
+        flag, value = re.search(r"set (--[\w-]+) (\d+) or lower", capsys.readouterr().err).groups()
+        applied = dataclasses.replace(cfg, **{flag[2:].replace("-", "_"): int(value)})
+        infra.check_kv_cache(applied, qwen32b, min(wave, applied.batch_episodes))  # fits: nothing happens
+    # gathered for sampling, the 65 GB of bf16 weights leave no room for one episode on 80 GB
+    free["bytes"] = int(80e9 - 8.4e9)
+    with pytest.raises(SystemExit):
+        infra.check_kv_cache(dataclasses.replace(cfg, rollout_full_weights=True), qwen32b, 1)
+    assert "--max-context" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, wave", [([], 72), (["--batch-episodes", "500"], 72), (["--eval"], 27),
+                                         (["--batch-episodes", "4"], 4)])
+def test_a_run_whose_wave_cannot_fit_the_gpu_stops_before_its_first_rollout(qwen32b, monkeypatch, capsys,
+                                                                             tmp_path, flags, wave):
+    """A run on a (patched) GPU with 1 GiB free: it stops before any rollout and leaves no run
+    directory. The wave it checks is what a rollout plays: --tiny's 6 tasks x 12 rollouts, at most
+    --batch-episodes; an evaluation-only run its 27 test tasks."""
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(infra, "DEVICE", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (2**30, int(80e9)))
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    monkeypatch.setattr(infra, "load_model_and_tokenizer", lambda cfg: (qwen32b, tok))
+    monkeypatch.setattr(loop, "rollout", None)  # a rollout would raise: 'NoneType' is not callable
+    with pytest.raises(SystemExit) as stop:
+        loop.main(["--tiny", *flags, "--out", str(tmp_path / "run")])
+    assert stop.value.code == 2 and not (tmp_path / "run").exists()
+    assert f"error: a wave of {wave} episodes of up to 1024 tokens needs" in capsys.readouterr().err
+
+
+def _fail_on_rank_1(where, argv):
+    """Run loop.main(argv) under torchrun; rank 1 raises at its first call of loop.<where>."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (rank 1 only)")
+    if os.environ["RANK"] == "1":
+        setattr(loop, where, fail)
+    loop.main(argv)
+
+
+@pytest.mark.parametrize("where", ["generate", "update"])
+def test_an_error_on_one_fsdp_rank_ends_the_run_instead_of_hanging_it(tmp_path, where):
+    """Rank 1 fails (an out-of-memory error, say) while rank 0 waits for it in a collective: the
+    run ends with the error. Before, the failed rank waited in the exit barrier for a rank that
+    waited for it, until gloo's 30-minute timeout."""
+    started = time.monotonic()
+    r = _torchrun("test_loop.py", "fail_on_rank_1", where, *quick(), "--tasks-per-iteration", "4", "--fsdp",
+                  "--iterations", "1", "--out", str(tmp_path / "run"), timeout=120)
+    assert r.returncode != 0 and "CUDA out of memory (rank 1 only)" in r.stderr
+    assert time.monotonic() - started < 120
+
+
+ONE_TASK_WORLD = """
+import tiny_world
+
+
+class OneTaskWorld(tiny_world.TinyWorld):
+    \"\"\"The tiny world with a test split of one task.\"\"\"
+
+    @staticmethod
+    def tasks(split):
+        return ["order00_1"] if split == "test" else tiny_world.TinyWorld.tasks(split)
+"""
+
+
+def test_a_rank_with_no_task_joins_the_others_and_the_run_finishes(tmp_path):
+    """2 FSDP ranks, one task an iteration (its K rollouts all on rank 0) and a test split of one
+    task: rank 1 plays no episode, in training and in every evaluation, yet joins every collective
+    (generation's synced passes, the update's empty passes). Before, it died with UnboundLocalError
+    in rollout, and then on a float `valid` in loo_advantages."""
+    (tmp_path / "one_task_world.py").write_text(ONE_TASK_WORLD)
+    r = _torchrun("loop.py", *quick(), "--fsdp", "--env", "one_task_world:OneTaskWorld", "--tasks-per-iteration", "1",
+                  "--iterations", "1", "--out", "run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = infra.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(row["iteration"], row.get("per_task")) for row in rows] == [
+        (0, {"order00_1": False}), (1, None), (1, {"order00_1": False})]
+    assert rows[1]["turns_mean"] >= 1 and rows[1]["env_failures"] == 0  # rank 0's 4 rollouts played
+
+
+def test_a_command_that_hangs_is_killed_with_its_whole_process_group(tmp_path):
+    """A test's command that outlives its timeout (a hung run: torchrun and its ranks, a trainer and
+    its worlds' workers) is killed with every process it started: none is left on the machine."""
+    parent = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(300)']); open({str(tmp_path / 'pid')!r}, 'w').write(str(child.pid)); time.sleep(300)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run_command([sys.executable, "-c", parent], timeout=3)
+    child = int((tmp_path / "pid").read_text())
+    try:
+        time.sleep(0.2)
+        assert _gone(child)
+    finally:
+        _gone(child) or os.kill(child, signal.SIGKILL)
+
+
+# ---------------- infra.py: loading, LoRA, FSDP2, the log-prob head; the chat template (chat.py)
 def test_the_shipped_tiny_model_loads_and_starts_where_the_readme_says(tmp_path):
     """assets/tiny-model is a from_pretrained directory, made by tools/make_tiny_model.py with the
     default settings (its log says so). Greedy, it solves the 9 order tasks of the test split,
@@ -2128,7 +2543,7 @@ def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
         Chat(tok)
 
 
-# ---------------- 11-12. Checkpoints and the log: resume, kills at any moment, metrics, console, trackers
+# ---------------- infra.py: checkpoints, the log, the run directory: resume, kills at any moment, trackers
 def _train_rows(run, keys=("iteration",)):
     rows = infra.read_metrics(run / "metrics.jsonl")
     return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows if "split" not in r]
@@ -2533,367 +2948,7 @@ def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkey
     assert code == 2 and "pip install 'wandb<0.19'" in err and not (tmp_path / "run").exists()
 
 
-# ---------------- 13. Main: whole runs, a new environment, Ctrl-C, a wave too big, a failing rank
-def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_printed(tmp_path, capsys):
-    """...and the commands it prints are quoted for a shell: its directory's name has a space and a quote."""
-    out = tmp_path / "Kofi's run"
-    loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
-    said = capsys.readouterr().err
-    assert f"finished: {out} holds metrics.jsonl, transcripts/ and the trained model/. Next:" in said
-    assert f"\n  python {os.path.join(HERE, 'tools', 'plot.py')} {shlex.quote(str(out))}\n" in said
-    assert f"tools/play.py --tiny --model {shlex.quote(str(out / 'model'))} --task order00_1" in said
-    suggested = shlex.split(next(line for line in said.splitlines() if "--eval" in line))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "reward_mean" in r and "split" not in r]
-    evals = [r for r in rows if r.get("split") == "test"]
-    assert [r["iteration"] for r in train] == [1, 2]
-    assert [r["iteration"] for r in evals] == [0, 1, 2]
-    for r in train:
-        assert {"reward_mean", "success_rate", "kl", "clip_fraction", "seconds"} <= set(r)
-        assert 0 <= r["reward_mean"] <= 1 and 0 <= r["clip_fraction"] <= 1 and math.isfinite(r["kl"])
-    for r in evals:
-        assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
-        assert len(r["per_task"]) == len(tiny_world.TinyWorld.tasks("test"))
-    assert (out / "model" / "config.json").exists() and list((out / "transcripts").iterdir())
-    shown = (out / "transcripts" / "test_iter0002.txt").read_text()
-    heads = re.findall(r"^=== (\w+): \d of \d checks passed$", shown, flags=re.M)
-    assert heads == ["order00_1", "payback00_1", "phone00_1"]  # spread over the split's scenarios
-    # the saved model and tokenizer, loaded back, are the model that was evaluated at the end of the run
-    _, tok = infra.load_model_and_tokenizer(loop.parse_config(["--env", "tiny", "--model", str(out / "model")]))
-    _, shipped = infra.load_pretrained(loop.parse_config(["--tiny"]))
-    text = fence(make_tiny_model.demo(random.Random(0))[1][0])
-    assert Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
-    assert tok(text)["input_ids"] == shipped(text)["input_ids"]
-    assert suggested[2:] == ["--tiny", "--eval", "--model", str(out / "model")]
-    loop.main(suggested[2:])  # written beside the run's own files, in RUN/eval-<split>
-    assert f"writing to {out / 'eval-test'}" in capsys.readouterr().err
-    again = json.loads((out / "eval-test" / "metrics.jsonl").read_text().splitlines()[0])
-    assert again["split"] == "test" and again["reward_mean"] == pytest.approx(evals[-1]["reward_mean"])
-    assert again["per_task"] == evals[-1]["per_task"] and again["iteration"] == 2  # trained for 2
-    assert (out / "eval-test" / "transcripts" / "test_iter0002.txt").read_text() == shown
-
-
-SUM_WORLD = '''
-import sys
-sys.path.insert(0, {here!r})
-import infra
-import loop
-import tiny_world
-from chat import Chat
-
-
-class SumWorld:
-    """Only what tiny_world.py's docstring requires: no done, no close(), no behaviour strings."""
-
-    @staticmethod
-    def tasks(split):
-        return [f"sum{{i}}_1" for i in range(4)]
-
-    def __init__(self, task_id, timeout, experiment):
-        self.timeout = timeout
-        self.codes = []
-
-    def messages(self):
-        return [{{"role": "system", "content": tiny_world.TinyWorld.SYSTEM}},
-                {{"role": "user", "content": "Order the item at the top of my wishlist."}}]
-
-    def step(self, code):
-        self.codes.append(code)
-        return tiny_world.run_code(code, {{}}, self.timeout)
-
-    def evaluate(self):  # a check for code at all, one for calling the supervisor
-        return (bool(self.codes) + any("supervisor" in code for code in self.codes), 2)
-'''
-REGISTER_SUM_WORLD = '''
-import loop
-from sum_world import SumWorld
-
-loop.ENVS["sum"] = SumWorld
-loop.main()
-'''
-
-
-def test_a_new_environment_with_only_the_required_members_trains_as_module_colon_class(tmp_path):
-    """--env module:Class from the directory the command runs in, with no script of the forker's;
-    and the other way, a script that registers the world and runs loop's command line."""
-    (tmp_path / "sum_world.py").write_text(SUM_WORLD.format(here=HERE))
-    (tmp_path / "my_world.py").write_text(REGISTER_SUM_WORLD)
-    small = ["--tiny", "--tasks-per-iteration", "4", "--rollouts-per-task", "3", "--max-turns", "2",
-             "--eval-max-turns", "2"]
-    r = _run_command([sys.executable, os.path.join(HERE, "loop.py"), *small, "--env", "sum_world:SumWorld",
-                      "--iterations", "1", "--out", "run"], timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    train, final = [r for r in infra.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
-    assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
-    assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
-    assert "tools/play.py --env sum_world:SumWorld --model run/model --task sum0_1" in r.stderr
-    r = _run_command([sys.executable, os.path.join(HERE, "tools", "play.py"), "--env", "sum_world:SumWorld",
-                      "--model", "run/model", "--task", "sum0_1"], timeout=300,
-                     cwd=tmp_path)  # the tools take the world by the same name, from the same directory
-    assert r.returncode == 0 and "=== sum0_1: " in r.stdout and "reward " in r.stdout, r.stderr[-2000:]
-    r = _run_command([sys.executable, "my_world.py", *small, "--env", "sum", "--iterations", "0", "--out", "reg"],
-                     timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert [row["tasks"] for row in infra.read_metrics(tmp_path / "reg" / "metrics.jsonl")] == [4]
-
-
-@pytest.mark.parametrize("env, message", [
-    ("nosuch_world:World", "--env nosuch_world:World: cannot import nosuch_world: ModuleNotFoundError: No module named 'nosuch_world'"),
-    ("sum_world:Nope", "--env sum_world:Nope: sum_world has no class Nope"),
-    ("half_world:HalfWorld", "--env half_world:HalfWorld: HalfWorld has no step, evaluate (the interface is in tiny_world.py's docstring)"),
-    ("broken_world:World", "--env broken_world:World: cannot import broken_world: NameError: name 'undefined' is not defined"),
-    ("sum", "--env takes tiny, appworld or module:Class (your world), not 'sum'")])
-def test_an_environment_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch, env, message):
-    (tmp_path / "sum_world.py").write_text(SUM_WORLD.format(here=HERE))
-    (tmp_path / "half_world.py").write_text("class HalfWorld:\n    tasks = messages = staticmethod(list)\n")
-    (tmp_path / "broken_world.py").write_text("undefined\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in ("sum_world", "half_world", "broken_world"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    with pytest.raises(SystemExit) as stop:
-        loop.parse_config(["--tiny", "--env", env])
-    assert stop.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
-
-
-class _Broken:
-    """A forker's world with a bug in step() for the tasks of its train and broken splits."""
-
-    @staticmethod
-    def tasks(split):
-        return [f"{split}_1", f"{split}_2"]
-
-    def __init__(self, task_id, timeout, experiment):
-        self.broken, self.done = not task_id.startswith("test"), False
-
-    def messages(self):
-        return [{"role": "user", "content": "go"}]
-
-    def step(self, code):
-        self.done = True
-        return undefined if self.broken else "ok"  # noqa: F821
-
-    def evaluate(self):
-        return 1, 1
-
-
-def test_a_run_whose_every_world_fails_stops_with_the_first_worlds_error(tmp_path, capsys, monkeypatch):
-    """Every world of an iteration, then of an evaluation, fails: the run stops there with one line
-    that gives the world's own error and what to do, exit code 1 (before, it went on for all its
-    iterations, training on nothing); the worlds' failure was said once, not once an episode."""
-    monkeypatch.setitem(loop.ENVS, "broken", _Broken)
-    monkeypatch.setattr(infra.Hosted, "said", set())
-    run = tmp_path / "run"
-    with pytest.raises(SystemExit) as stop:
-        loop.main([*quick(), "--env", "broken", "--iterations", "3", "--out", str(run)])
-    err = capsys.readouterr().err.splitlines()
-    assert stop.value.code == 1 and err[-1] == (
-        "error: every world failed in iteration 1 (8 episodes); the first: _Broken.step raised NameError: name "
-        "'undefined' is not defined: check the world with tools/play.py --solution")
-    assert [line for line in err if line.startswith("note: ")] == [
-        "note: _Broken.step raised NameError: name 'undefined' is not defined: its episode fails as the world's "
-        "(said once)"]
-    assert [row["iteration"] for row in infra.read_metrics(run / "metrics.jsonl")] == [0]  # its evaluation held up
-    with pytest.raises(SystemExit) as stop:
-        loop.main([*quick(), "--env", "broken", "--eval", "--split", "broken", "--out", str(tmp_path / "eval")])
-    assert stop.value.code == 1 and "every world failed in the evaluation of broken (2 episodes)" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("tasks, message", [
-    (lambda split: ["a_1"], "W.tasks(split) is called on the class: make it a @staticmethod"),
-    (staticmethod(lambda split: [] if split == "train" else ["a_1"]), "W.tasks('train') must return a non-empty list"),
-    (staticmethod(lambda split: "a_1"), "W.tasks('test') must return a non-empty list of task ids (str), not a_1"),
-    (staticmethod(lambda split: [1, 2]), "W.tasks('test') must return a non-empty list of task ids (str), not [1, 2]"),
-    (staticmethod(lambda split: ["a_1", "a_2", "a_1"]), "W.tasks('test') names task 'a_1' more than once"),
-])
-def test_the_tasks_of_a_world_are_checked_at_the_start(tmp_path, capsys, monkeypatch, tasks, message):
-    """tasks written without @staticmethod, an empty split, ids that are not a list of str or
-    repeat: one line before the model loads (before, a traceback at the first evaluation)."""
-    members = {name: getattr(_Broken, name) for name in ("messages", "step", "evaluate")}
-    monkeypatch.setitem(loop.ENVS, "w", type("W", (), {"tasks": tasks, **members}))
-    code, err = _error(capsys, *quick(), "--env", "w", "--out", str(tmp_path / "run"))
-    assert code == 2 and message in err and not (tmp_path / "run").exists()
-
-
-def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
-    """...a command a shell reads back: the script as it was run, a directory with a space quoted."""
-    run = tmp_path / "a run"
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True, preexec_fn=_sigint_as_by_default)
-    try:
-        for line in proc.stdout:  # the iteration-0 evaluation is logged: training has begun
-            if line.startswith("iteration 0:"):
-                break
-        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the worlds' workers too
-        _, err = proc.communicate(timeout=60)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-    assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    script = os.path.join(HERE, "loop.py")
-    assert err.strip().splitlines()[-1] == f"interrupted: continue with `python {script} --resume '{run}'`"
-
-
-CUT_SHORT_BAR = """
-import sys
-sys.path.insert(0, {here!r})
-import tqdm
-import loop
-
-build = tqdm.tqdm.__init__
-
-def interrupted(self, *args, **kwargs):  # Ctrl-C while the training bar is being built
-    if kwargs.get("desc") == "LOOP":
-        self.disable = False  # where tqdm's constructor has come to: its position is not set yet
-        raise KeyboardInterrupt
-    build(self, *args, **kwargs)
-
-if __name__ == "__main__":
-    tqdm.tqdm.__init__ = interrupted
-    loop.main(["--tiny", "--iterations", "1", "--out", {run!r}])
-"""
-
-
-def test_ctrl_c_while_a_progress_bar_is_built_prints_no_traceback(tmp_path):
-    """A bar that Ctrl-C cut short in its constructor fails in __del__ at exit; the user still sees
-    the one line (the --tiny run above meets this moment: iteration 0 logged, the bar built next)."""
-    script = tmp_path / "cut.py"
-    script.write_text(CUT_SHORT_BAR.format(here=HERE, run=str(tmp_path / "run")))
-    r = _run_command([sys.executable, str(script)], timeout=300)
-    assert r.returncode == 130 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"interrupted: continue with `python {script} --resume")
-
-
-@pytest.fixture(scope="module")
-def qwen32b():
-    """Qwen2.5-32B-Instruct's shape on the meta device: no memory, the real KV size per token."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-    config = Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                         num_attention_heads=40, num_key_value_heads=8)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-
-
-def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_first(qwen32b, monkeypatch, capsys):
-    """The README's 8-GPU command with the default --batch-episodes: 6 episodes of 32k tokens of
-    Qwen2.5-32B are 48 GiB of KV cache (262,144 bytes a token), which fit the 71 GB an 80 GB GPU has
-    free beside the sharded LoRA states (docs/scaling.md's table: 8.4 GB). With 30 GiB free the run
-    stops with one line that says what to set; the old default (256 a rank) needed 2 TiB."""
-    free = {"bytes": int(80e9 - 8.4e9)}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (free["bytes"], int(80e9)))
-    cfg = loop.parse_config(["--fsdp", "--bf16", "--lora", "--activation-checkpointing", "--train-split", "train_paper",
-                             "--split", "dev", "--micro-batch-size", "1"])
-    assert cfg.model == "Qwen/Qwen2.5-32B-Instruct" and cfg.max_context == 32768 and cfg.batch_episodes == 6
-    infra.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)  # fits: nothing happens
-    free["bytes"] = 30 * 2**30
-    with pytest.raises(SystemExit) as stop:
-        infra.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1
-    assert "6 episodes of up to 32768 tokens needs 48.0 GiB" in err and "set --batch-episodes 3 or lower" in err
-    with pytest.raises(SystemExit):  # the old default
-        infra.check_kv_cache(dataclasses.replace(cfg, batch_episodes=256), qwen32b, 30)
-    free["bytes"] = 4 * 2**30  # not one episode at the cap
-    with pytest.raises(SystemExit):
-        infra.check_kv_cache(cfg, qwen32b, 1)
-    assert "set --max-context 16384 or lower" in capsys.readouterr().err
-    for wave in (1, 6, 5):  # what it says to set fits its wave (before, 6 were told the cap of 1)
-        with pytest.raises(SystemExit):
-            infra.check_kv_cache(cfg, qwen32b, wave)
-        flag, value = re.search(r"set (--[\w-]+) (\d+) or lower", capsys.readouterr().err).groups()
-        applied = dataclasses.replace(cfg, **{flag[2:].replace("-", "_"): int(value)})
-        infra.check_kv_cache(applied, qwen32b, min(wave, applied.batch_episodes))  # fits: nothing happens
-    # gathered for sampling, the 65 GB of bf16 weights leave no room for one episode on 80 GB
-    free["bytes"] = int(80e9 - 8.4e9)
-    with pytest.raises(SystemExit):
-        infra.check_kv_cache(dataclasses.replace(cfg, rollout_full_weights=True), qwen32b, 1)
-    assert "--max-context" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("flags, wave", [([], 72), (["--batch-episodes", "500"], 72), (["--eval"], 27),
-                                         (["--batch-episodes", "4"], 4)])
-def test_a_run_whose_wave_cannot_fit_the_gpu_stops_before_its_first_rollout(qwen32b, monkeypatch, capsys,
-                                                                             tmp_path, flags, wave):
-    """A run on a (patched) GPU with 1 GiB free: it stops before any rollout and leaves no run
-    directory. The wave it checks is what a rollout plays: --tiny's 6 tasks x 12 rollouts, at most
-    --batch-episodes; an evaluation-only run its 27 test tasks."""
-    from transformers import AutoTokenizer
-    monkeypatch.setattr(infra, "DEVICE", torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (2**30, int(80e9)))
-    tok = AutoTokenizer.from_pretrained(SHIPPED)
-    monkeypatch.setattr(infra, "load_model_and_tokenizer", lambda cfg: (qwen32b, tok))
-    monkeypatch.setattr(loop, "rollout", None)  # a rollout would raise: 'NoneType' is not callable
-    with pytest.raises(SystemExit) as stop:
-        loop.main(["--tiny", *flags, "--out", str(tmp_path / "run")])
-    assert stop.value.code == 2 and not (tmp_path / "run").exists()
-    assert f"error: a wave of {wave} episodes of up to 1024 tokens needs" in capsys.readouterr().err
-
-
-def _fail_on_rank_1(where, argv):
-    """Run loop.main(argv) under torchrun; rank 1 raises at its first call of loop.<where>."""
-    def fail(*args, **kwargs):
-        raise RuntimeError("CUDA out of memory (rank 1 only)")
-    if os.environ["RANK"] == "1":
-        setattr(loop, where, fail)
-    loop.main(argv)
-
-
-@pytest.mark.parametrize("where", ["generate", "update"])
-def test_an_error_on_one_fsdp_rank_ends_the_run_instead_of_hanging_it(tmp_path, where):
-    """Rank 1 fails (an out-of-memory error, say) while rank 0 waits for it in a collective: the
-    run ends with the error. Before, the failed rank waited in the exit barrier for a rank that
-    waited for it, until gloo's 30-minute timeout."""
-    started = time.monotonic()
-    r = _torchrun("test_loop.py", "fail_on_rank_1", where, *quick(), "--tasks-per-iteration", "4", "--fsdp",
-                  "--iterations", "1", "--out", str(tmp_path / "run"), timeout=120)
-    assert r.returncode != 0 and "CUDA out of memory (rank 1 only)" in r.stderr
-    assert time.monotonic() - started < 120
-
-
-ONE_TASK_WORLD = """
-import tiny_world
-
-
-class OneTaskWorld(tiny_world.TinyWorld):
-    \"\"\"The tiny world with a test split of one task.\"\"\"
-
-    @staticmethod
-    def tasks(split):
-        return ["order00_1"] if split == "test" else tiny_world.TinyWorld.tasks(split)
-"""
-
-
-def test_a_rank_with_no_task_joins_the_others_and_the_run_finishes(tmp_path):
-    """2 FSDP ranks, one task an iteration (its K rollouts all on rank 0) and a test split of one
-    task: rank 1 plays no episode, in training and in every evaluation, yet joins every collective
-    (generation's synced passes, the update's empty passes). Before, it died with UnboundLocalError
-    in rollout, and then on a float `valid` in loo_advantages."""
-    (tmp_path / "one_task_world.py").write_text(ONE_TASK_WORLD)
-    r = _torchrun("loop.py", *quick(), "--fsdp", "--env", "one_task_world:OneTaskWorld", "--tasks-per-iteration", "1",
-                  "--iterations", "1", "--out", "run", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = infra.read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [(row["iteration"], row.get("per_task")) for row in rows] == [
-        (0, {"order00_1": False}), (1, None), (1, {"order00_1": False})]
-    assert rows[1]["turns_mean"] >= 1 and rows[1]["env_failures"] == 0  # rank 0's 4 rollouts played
-
-
-def test_a_command_that_hangs_is_killed_with_its_whole_process_group(tmp_path):
-    """A test's command that outlives its timeout (a hung run: torchrun and its ranks, a trainer and
-    its worlds' workers) is killed with every process it started: none is left on the machine."""
-    parent = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
-              f"time.sleep(300)']); open({str(tmp_path / 'pid')!r}, 'w').write(str(child.pid)); time.sleep(300)")
-    with pytest.raises(subprocess.TimeoutExpired):
-        _run_command([sys.executable, "-c", parent], timeout=3)
-    child = int((tmp_path / "pid").read_text())
-    try:
-        time.sleep(0.2)
-        assert _gone(child)
-    finally:
-        _gone(child) or os.kill(child, signal.SIGKILL)
-
-
-# ---------------- The environments beside loop.py: the tiny world (tiny_world.py), AppWorld (appworld_env.py)
+# ---------------- The worlds: the tiny world, AppWorld, the worker process each runs in (infra.Hosted)
 def test_extract_code():
     assert loop.extract_code("hi\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "a = 1\nb = 2"
     assert loop.extract_code("```python\nx = 3\nprint(x)") == "x = 3\nprint(x)"  # unterminated
