@@ -234,12 +234,11 @@ def serve(conn):
             return
         # the trainer's deadline on a C thread too (agent code may hold the GIL): a killed trainer's
         faulthandler.dump_traceback_later(wait, exit=True, file=quiet)  # workers end by then
-        member = {"start": "messages", "step": "step"}.get(method, "evaluate")
+        member = {"start": "__init__", "step": "step"}.get(method, "evaluate")
         try:
             if method == "start":
                 World, task_id, timeout, experiment, environ = arg
                 os.environ.update(environ)  # the trainer's now (APPWORLD_ROOT), not at the fork
-                member = "__init__"
                 world = World(task_id, timeout, experiment)
                 member = "messages"
                 reply = checked_messages(world, world.messages())
@@ -278,8 +277,7 @@ def checked_text(world, text):
     return valid_text(text)
 
 def valid_text(text):
-    """Text a tokenizer and a file take: a surrogate pair (print("\\ud83d\\ude00")) joined, a lone
-    one replaced."""
+    """Valid text: a surrogate pair (print("\\ud83d\\ude00")) joined, a lone one replaced."""
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 def checked_done(world):
@@ -374,7 +372,10 @@ class Hosted:
             self.worker.join(1)
             self.error = (f"{self.World.__name__}'s worker process ended (exit code "
                           f"{self.worker.exitcode}) before it answered its {method}")
-        self.give_back() if status == "refused" else self.worker.kill()
+        if status == "refused":
+            self.give_back()
+        else:
+            self.worker.kill()
         if value and (self.World, member, status) not in Hosted.said:
             Hosted.said.add((self.World, member, status))
             tqdm.write(f"note: {self.error}: its episode fails as the world's (said once)",
@@ -438,10 +439,7 @@ def stop_if_every_world_failed(episodes, what):
     counts = all_reduce([len(episodes), len(errors)])
     if not counts[0] or counts[1] < counts[0]:
         return
-    if WORLD > 1:
-        parts = [None] * WORLD
-        dist.all_gather_object(parts, errors[:1])
-        errors = [error for part in parts for error in part]
+    errors = gather(errors[:1])
     hint = "check the world with tools/play.py --solution"
     if "worker process ended" in errors[0]:  # a forker's script that reran in every worker, say
         hint = "a script that registers a world runs loop.main() under if __name__ == '__main__'"
@@ -599,6 +597,14 @@ def start_distributed():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
+
+def gather(items):
+    """Every rank's items, in rank order; this process's alone in one process."""
+    if WORLD == 1:
+        return items
+    parts = [None] * WORLD
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
 
 def all_reduce(values, op=dist.ReduceOp.SUM):
     """Sum (or max) a list of numbers over the ranks; unchanged in one process."""
@@ -864,12 +870,11 @@ def summary(row):
     """The console's line for a metrics row: the numbers to watch (metrics.jsonl has them all)."""
     failed = f", {row['env_failures']} worlds failed" if row["env_failures"] else ""
     if "split" in row:
-        return (f"iteration {row['iteration']}: {row['split']} TGC {100 * row['tgc']:.1f}% "
-                f"SGC {100 * row['sgc']:.1f}% of {row['tasks']} tasks{failed}, "
-                f"{row['seconds']:.0f} s")
+        return (f"iteration {row['iteration']}: {row['split']} TGC {100 * row['tgc']:.1f}% SGC "
+                f"{100 * row['sgc']:.1f}% of {row['tasks']} tasks{failed}, {row['seconds']:.0f} s")
     return (f"iteration {row['iteration']}: reward {row['reward_mean']:.3f} success "
-            f"{100 * row['success_rate']:.1f}% kl {row['kl']:.3f} clip "
-            f"{row['clip_fraction']:.3f}{failed}, {row['seconds']:.0f} s")
+            f"{100 * row['success_rate']:.1f}% kl {row['kl']:.3f} clip {row['clip_fraction']:.3f}"
+            f"{failed}, {row['seconds']:.0f} s")
 
 def write_transcripts(run_dir, split, iteration, episodes, scenario):
     """Rank 0's: the first episode of 3 scenarios spread over the split, the same each time."""

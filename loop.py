@@ -329,8 +329,7 @@ def rollout_metrics(episodes, World, reward):
         looked, erred, recovered = habits(e, World)
         sums.update(episodes=1, failures=e.failed, success=e.success, turns=1 + max(e.turn_of),
                     tokens=len(e.ids), looked=looked, erred=erred, recovered=recovered)
-    keys = ["episodes", "failures", "reward", "success", "turns", "tokens", "looked", "erred",
-            "recovered"]
+    keys = "episodes failures reward success turns tokens looked erred recovered".split()
     t = dict(zip(keys, infra.all_reduce([sums[key] for key in keys])))
     n, scored = t["episodes"], max(t["episodes"] - t["failures"], 1)  # scored: worlds held up
     shares = {"looked_first": t["looked"] / n} if hasattr(World, "DOCS_CALL") else {}
@@ -487,11 +486,7 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
     episodes = rollout(model, chat, worlds, tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
                        desc=f"eval {split}")
     infra.stop_if_every_world_failed(episodes, f"the evaluation of {split}")
-    results = [(e.task_id, e.success, e.reward) for e in episodes]
-    if infra.WORLD > 1:
-        parts = [None] * infra.WORLD
-        dist.all_gather_object(parts, results)
-        results = [r for part in parts for r in part]
+    results = infra.gather([(e.task_id, e.success, e.reward) for e in episodes])  # every rank's
     failures = infra.all_reduce([sum(e.failed for e in episodes)])[0]  # counted as not completed
     row = {"iteration": iteration, "split": split, **goal_completion(results),
            "env_failures": int(failures), "seconds": round(time.time() - started, 2)}
