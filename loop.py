@@ -45,6 +45,7 @@ def setting(default, doc, at_least=None, at_most=None, choices=None):
     rule = {"at_least": at_least, "at_most": at_most, "choices": choices}
     return dataclasses.field(default=default, metadata={"doc": doc, **rule})
 
+RATIOS = ["token", "turn", "trajectory", "none"]  # --ratio: LOOP, and the paper's variants
 @dataclasses.dataclass
 class Config:
     # the run
@@ -72,7 +73,7 @@ class Config:
     minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32).")
     clip_eps: float = setting(0.1, "Ratio clip [1/(1+eps), 1+eps] (paper: [1-eps, 1+eps]).")
     ratio: str = setting("token", "Importance ratio: token (Eq. 5), turn, trajectory, none (RLOO).",
-                         choices=["token", "turn", "trajectory", "none"])
+                         choices=RATIOS)
     normalize_rewards: bool = setting(False, "Divide each A by its group's std (RwNorm, not LOOP).")
     min_abs_advantage: float = setting(0.01, "Rollouts with |A| below it are dropped.", at_least=0)
     max_kl: float = setting(20.0, "Abandon an iteration at a minibatch whose |KL| (a rollout's "
@@ -96,7 +97,6 @@ class Config:
     activation_checkpointing: bool = setting(False, "Recompute each decoder layer in backward.")
     lora: bool = setting(False, "Train the paper's LoRA (rank 16, alpha 32), not all the weights.")
 
-RATIOS = Config.__dataclass_fields__["ratio"].metadata["choices"]  # LOOP, and the paper's variants
 ENVS = {"tiny": TinyWorld, "appworld": AppWorldEnv}  # a forker's script may add its world
 
 def environment(name):
@@ -533,8 +533,9 @@ def start(cfg, World, checkpoint):
     if not trainable and not cfg.eval:  # a LoRA run's model/ loads its adapter frozen
         infra.die(f"{cfg.model} has no weights to train: evaluate it with --eval, or continue "
                   "the run that made it with --resume")
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay) if trainable \
-        else None
+    opt = None
+    if trainable:
+        opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if checkpoint:
         infra.load_checkpoint(checkpoint, model, opt, cfg)
     return model, tok, chat, opt, train_tasks
