@@ -7,26 +7,30 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import fcntl
+import functools
 import importlib.util
 import inspect
 import itertools
 import json
 import math
 import multiprocessing
-import numbers
 import os
 import pathlib
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
+import urllib.parse
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from chat import Chat
@@ -47,6 +51,24 @@ def say(text):
     if RANK == 0:
         tqdm.write(text, file=sys.stderr)
 
+class Console:
+    """stdout or stderr, whose reader may go away (| head, a closed terminal): then /dev/null."""
+
+    def __init__(self, stream):
+        self.stream = stream.stream if isinstance(stream, Console) else stream
+
+    def __getattr__(self, name):  # write and flush guarded, the rest the stream's
+        value = getattr(self.stream, name)
+        return functools.partial(self.guarded, value) if name in ("write", "flush") else value
+
+    def guarded(self, method, *args):
+        try:
+            return method(*args)
+        except OSError:  # EPIPE, EIO
+            with contextlib.suppress(OSError, ValueError):  # (a stream without a file)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            return 0
+
 def first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -64,10 +86,12 @@ def parse_config(Config, argv, description):
     if args.resume and not os.path.isfile(os.path.join(args.resume, "config.json")):
         die(f"{args.resume} is not a run directory (it has no config.json): give the --out of "
             "the run to continue")
+    if args.resume and (busy := hold(args.resume)):  # one trainer a run, before any reading
+        die(busy)
     files = [TINY_CONFIG] * args.tiny + [args.config] * bool(args.config)
     if args.resume:
         files = [os.path.join(args.resume, "config.json")]
-    flags = [text for path in files for text in read_settings(path, Config)]
+    flags = [text for path in files for text in read_settings(path, Config, args.resume)]
     given = vars(parser.parse_args(flags + argv))  # the flags given come last: they win
     if args.help:
         shown = {k: v if given[k] is None else given[k] for k, v in defaults.items()}
@@ -108,8 +132,11 @@ def checked(f):
 
     def convert(text):
         value = f.type(text)  # a ValueError is argparse's "invalid int value: 'x'"
-        if f.type is str:
-            return value
+        if f.type is str and f.name == "model" and not text:
+            raise argparse.ArgumentTypeError("must name a model directory or a Hugging Face id")
+        if f.type is str:  # a path: ~ expanded; a local model absolute (a resume from anywhere)
+            path = os.path.expanduser(value) if f.name in ("model", "out", "resume") else value
+            return os.path.abspath(path) if f.name == "model" and os.path.isdir(path) else path
         rules = [(value >= low if low is not None else value > 0,
                   f">= {low}" if low is not None else ">= 1" if f.type is int else "> 0"),
                  (high is None or value <= high, f"at most {high}"),
@@ -136,16 +163,16 @@ def check_resume(args, saved):
         die(f"--eval does not resume a run: evaluate its model with --eval --model "
             f"{os.path.join(args.resume, 'model')}")
 
-def read_settings(path, Config):
-    """A JSON object of settings as flags, each checked here (a mistake names the file and key)."""
-    try:
-        values = json.loads(pathlib.Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        die(f"cannot read config {path}: {e}")
+def read_settings(path, Config, run=""):
+    """A JSON object of settings as flags, each checked here (a mistake names the file and key);
+    `run`: the run directory whose config.json it is."""
+    if unreadable(path, run):
+        die(unreadable(path, run))
+    values = json.loads(pathlib.Path(path).read_text())
     if not isinstance(values, dict):
         die(f"config {path} must hold one JSON object of settings")
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), str(values.get("model", "")))
-    if "model" in values and os.path.isdir(beside):  # tiny_config.json's assets/tiny-model
+    if values.get("model") and os.path.isdir(beside):  # tiny_config.json's assets/tiny-model
         values["model"] = os.path.normpath(beside)
     kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     flags = []
@@ -162,6 +189,17 @@ def read_settings(path, Config):
         settings_parser(Config, where=f"{key!r} in {path}: ").parse_args([text])  # its own line
         flags.append(text)
     return flags
+
+def unreadable(path, run=""):
+    """Why a settings file (`run`'s config.json) cannot be read, and what to do; else None."""
+    try:
+        json.loads(pathlib.Path(path).read_text())
+        return None
+    except (OSError, ValueError) as e:  # (JSON's errors and UnicodeDecodeError are ValueErrors)
+        empty = isinstance(e, json.JSONDecodeError) and not e.doc.strip()
+        why = f"config {path} is empty" if empty else f"cannot read config {path}: {first_line(e)}"
+    return why + (f": the settings of the run in {run} are lost (its start failed, a full disk, "
+                  f"say): mend the file, or delete {run} and start the run again" if run else "")
 
 # Worlds: a forker's module:Class, its tasks
 def import_world(name, builtin):
@@ -204,6 +242,7 @@ def tasks_of(World, split):
 
 def splits(World, cfg):
     """The tasks of the evaluation's split and of the training's, checked before the model loads."""
+    preloads(World)  # (its worker processes start at the first wave)
     eval_tasks = tasks_of(World, cfg.split)
     train_tasks = [] if cfg.eval else tasks_of(World, cfg.train_split)
     if len(train_tasks) < cfg.tasks_per_iteration and not cfg.eval:
@@ -243,19 +282,23 @@ def serve(conn):
                 member = "messages"
                 reply = checked_messages(world, world.messages())
             elif method == "step":
-                reply = checked_text(world, world.step(arg)), checked_done(world)
+                output = checked_text(world, world.step(arg))
+                member = "done"
+                reply = output, checked_done(world)
             else:  # "evaluate", a world's last call
                 reply = checked_result(world, world.evaluate())
-                getattr(world, "close", lambda: None)()
-                world = None
+                member, closing, world = "close", world, None
+                getattr(closing, "close", lambda: None)()
             conn.send(("ok", reply))
         except Refused as e:
             getattr(world, "close", lambda: None)()
             world = None
             conn.send(("refused", (member, str(e))))
         except Exception as e:  # noqa: BLE001 - the world's own error: its last traceback line
-            name = type(world).__name__ if world is not None else World.__name__
-            conn.send(("raised", (member, f"{name}.{member} raised {type(e).__name__}: {e}")))
+            error = f"{World.__name__}.{member} raised {type(e).__name__}: {e}"
+            # a close() that fails after a valid evaluate() keeps the score; the process ends
+            conn.send(("unclosed", (reply, error)) if member == "close" else
+                      ("raised", (member, error)))
             return
         finally:
             faulthandler.cancel_dump_traceback_later()
@@ -290,12 +333,32 @@ def checked_done(world):
 def checked_result(world, result):
     if result is None:  # the world says it failed
         return None
-    if not (isinstance(result, (tuple, list)) and len(result) == 2
-            and all(isinstance(x, numbers.Real) and math.isfinite(x) for x in result)
-            and 0 <= result[0] <= result[1] and result[1] > 0):
+    pair = isinstance(result, (tuple, list)) and len(result) == 2
+    counts = [number(x) for x in result] if pair else [None]
+    if None in counts or not 0 <= counts[0] <= counts[1] or counts[1] <= 0:
         refuse(world, "evaluate()", result, "(tests passed, tests total), 0 <= passed <= total, "
                "total > 0; or None if the world failed")
-    return tuple(x if isinstance(x, int) else float(x) for x in result)
+    return tuple(counts)
+
+def number(x):
+    """A finite number of whatever type a world counts in (bool, numpy's, Decimal, a 0-d tensor):
+    an int where it is whole (2.0 of a float: a float), else None."""
+    with contextlib.suppress(Exception):  # a list, an array of many, a complex: no number
+        value = math.nan if isinstance(x, (str, bytes)) else float(x)
+        if math.isfinite(value):
+            return int(value) if value.is_integer() and not isinstance(x, float) else value
+    return None
+
+def preloads(World):
+    """World.preload(), checked at the start: a list of module names, else one line why not."""
+    try:
+        names = getattr(World, "preload", list)()
+    except Exception as e:  # noqa: BLE001 - the world's own error
+        die(f"{World.__name__}.preload() raised {type(e).__name__}: {first_line(e)}")
+    if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        die(f"{World.__name__}.preload() returned {names!r:.60}: it must return a list of the "
+            "modules every worker imports (names, str)")
+    return names
 
 def start_forkserver():
     """The forkserver imports its preloads on its own sys.path: PYTHONPATH is the trainer's."""
@@ -343,8 +406,8 @@ class Hosted:
         ctx = multiprocessing.get_context("forkserver")
         with Hosted.idle_lock:  # the first world's thread starts the forkserver for all
             if not Hosted.forkserver_started:
-                preload = getattr(self.World, "preload", lambda: [])()
-                ctx.set_forkserver_preload(["loop", self.World.__module__, *preload])
+                preload = ["loop", self.World.__module__, *preloads(self.World)]
+                ctx.set_forkserver_preload(preload)
                 start_forkserver()
                 Hosted.forkserver_started = True
         conn, child = ctx.Pipe()
@@ -363,6 +426,14 @@ class Hosted:
             pass
         if status == "ok":
             return value
+        if status == "unclosed":  # its worker ended: no world of the next wave gets it
+            self.worker.kill()
+            self.worker.join()
+            if (self.World, "close") not in Hosted.said:
+                Hosted.said.add((self.World, "close"))
+                tqdm.write(f"note: {value[1]}: the score it gave is kept (said once)",
+                           file=sys.stderr)
+            return value[0]
         self.failed = self.done = True
         if value:  # "refused": its worker closed the world; "raised": it ended
             member, self.error = value
@@ -523,8 +594,17 @@ def load_pretrained(cfg):
     except errors.LocalEntryNotFoundError as e:  # offline, no DNS, a proxy: its text says which
         die(f"model {cfg.model} is not in the local Hugging Face cache, and the hub cannot be "
             f"reached ({first_line(e)}): `hf download {cfg.model}` where there is internet")
-    except (OSError, ValueError) as e:  # a directory with no model, a gated or broken download
-        die(f"cannot load model {cfg.model}: {first_line(e)}")
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # no model, a broken one
+        die(f"cannot load model {cfg.model}: {damaged_weights(path) or first_line(e)}")
+
+def damaged_weights(path):
+    """Which weights file (or LoRA adapter) of a model directory is cut short or damaged."""
+    for name in sorted(pathlib.Path(path).glob("*.safetensors")) if os.path.isdir(path) else []:
+        try:
+            safe_open(name, "pt").keys()
+        except (OSError, SafetensorError) as e:
+            return f"{name} is damaged ({first_line(e)}): copy or download it again"
+    return None
 
 def from_pretrained(path, cfg):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -570,9 +650,7 @@ def load_model_and_tokenizer(cfg):
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
             model = get_peft_model(model, lora)
         # the saved adapter names its base so that it loads anywhere: the id, or an absolute path
-        path = os.path.expanduser(cfg.model)
-        base = os.path.abspath(path) if os.path.isdir(path) else cfg.model
-        model.peft_config["default"].base_model_name_or_path = base
+        model.peft_config["default"].base_model_name_or_path = cfg.model  # (parse_config's)
     if cfg.fsdp:
         shard(model, cfg, layer_names)
     model = model.to(DEVICE)
@@ -767,17 +845,43 @@ def last_checkpoint(run_dir):
     if not paths:
         return None, 0
     state = {"iteration": 0}
-    dcp.load(state, checkpoint_id=paths[0])  # that value alone: no tensor is read
+    with reading_checkpoint(paths[0]):
+        dcp.FileSystemReader(paths[0]).read_metadata()  # (damaged: DCP logs tracebacks of its own)
+        dcp.load(state, checkpoint_id=paths[0])  # that value alone: no tensor is read
     return paths[0], state["iteration"]
+
+@contextlib.contextmanager
+def reading_checkpoint(path):
+    """A checkpoint that cannot be read: one line naming its damaged file, and what to do."""
+    import torch.distributed.checkpoint as dcp
+    try:
+        yield
+    except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - (DCP's: BaseException)
+        die(f"{damaged_file(path, e)}: restore it, or delete {path} and --resume starts the run "
+            "again from iteration 0")
+
+def damaged_file(path, error):
+    """Which file of a checkpoint is damaged: .metadata, or a shard shorter than it says."""
+    import torch.distributed.checkpoint as dcp
+    try:
+        stored = dcp.FileSystemReader(path).read_metadata().storage_data.values()
+    except Exception:  # noqa: BLE001 - a cut pickle
+        return f"{os.path.join(path, '.metadata')} is damaged ({first_line(error)})"
+    for item in stored:
+        shard = os.path.join(path, item.relative_path)
+        if not os.path.isfile(shard) or os.path.getsize(shard) < item.offset + item.length:
+            return f"{shard} is missing or cut short"
+    return f"checkpoint {path} cannot be read ({first_line(error)})"
 
 def load_checkpoint(path, model, opt, cfg):
     """Trainable weights and AdamW's state, then the settings' lr and weight decay (said if new)."""
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.state_dict as sd
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    stepped = any(key.startswith("optim.") for key in saved)  # else a fresh AdamW is its state
-    state = train_state(model, opt, optimizer=stepped)
-    dcp.load(state, checkpoint_id=path)
+    with reading_checkpoint(path):
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        stepped = any(key.startswith("optim.") for key in saved)  # else a fresh AdamW is its state
+        state = train_state(model, opt, optimizer=stepped)
+        dcp.load(state, checkpoint_id=path)
     options = sd.StateDictOptions(strict=False)
     sd.set_model_state_dict(model, state["model"], options=options)
     if stepped:
@@ -810,19 +914,34 @@ def trained_to(model_dir):
     return json.loads(path.read_text())["iteration"] if path.exists() else None
 
 def write_atomically(path, text):
-    """A kill while this writes leaves the old file or the new one, never part of one."""
-    pathlib.Path(path + ".tmp").write_text(text)
+    """A kill while this writes leaves the old file or the new one, never part of one; an error
+    (a full disk) leaves the old one and no other."""
+    try:
+        pathlib.Path(path + ".tmp").write_text(text)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise
     os.replace(path + ".tmp", path)
 
 # The log: metrics.jsonl, the console, TensorBoard and wandb; transcripts
 def read_metrics(path):
-    """The rows of a metrics.jsonl; a line cut short by a kill while it was written is dropped."""
+    """A metrics.jsonl's rows; a last line a kill cut is dropped, any other that is no row said."""
+    text = pathlib.Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+    lines = text.splitlines()
     rows = []
-    for line in pathlib.Path(path).read_text().splitlines() if os.path.exists(path) else []:
+    for n, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            if n == len(lines) and not text.endswith("\n"):  # (a row is written with its \n)
+                break
+            row = None
+        iteration = row.get("iteration") if isinstance(row, dict) else None
+        if type(iteration) is not int:
+            die(f"line {n} of {path} is not a metrics row (a JSON object with an integer "
+                f"iteration): {line[:60]!r}; mend or delete the line")
+        rows.append(row)
     return rows
 
 class Log:
@@ -886,7 +1005,8 @@ def write_transcripts(run_dir, split, iteration, episodes, scenario):
     firsts = list(first.values())
     shown = [firsts[i * len(firsts) // 3] for i in range(min(3, len(firsts)))]
     os.makedirs(os.path.join(run_dir, "transcripts"), exist_ok=True)
-    path = os.path.join(run_dir, "transcripts", f"{split}_iter{iteration:04d}.txt")
+    name = urllib.parse.quote(split, safe="")  # one file's name, whatever it holds (v2%2Fhard)
+    path = os.path.join(run_dir, "transcripts", f"{name}_iter{iteration:04d}.txt")
     pathlib.Path(path).write_text("".join(map(transcript, shown)))
 
 def transcript(e):
@@ -909,6 +1029,13 @@ class Run:
             start_distributed()
         self.dir, self.made = (self.cfg.resume, []) if self.cfg.resume else claim(self.cfg)
         self.checkpoint, self.begin = last_checkpoint(self.dir) if self.cfg.resume else (None, 0)
+        self.rows = []  # a resume's rows up to its checkpoint (rank 0's), read before any work
+        if self.cfg.resume and RANK == 0:
+            rows = read_metrics(os.path.join(self.dir, "metrics.jsonl"))
+            self.rows = [row for row in rows if row["iteration"] <= self.begin]
+        # a console that goes away (| head, a closed terminal) drops its lines; the run goes on
+        sys.stdout, sys.stderr = Console(sys.stdout), Console(sys.stderr)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         model = os.path.join(self.dir, "model")
         self.finished = self.begin >= self.cfg.iterations and trained_to(model) == self.begin
         if self.finished:
@@ -921,10 +1048,9 @@ class Run:
         try:
             yield
         except BaseException:
-            if not self.cfg.resume:
-                unclaim(self.dir, self.made)
+            unclaim(self.dir, self.made, self.cfg.resume)
             raise
-        cfg, metrics, rows = self.cfg, os.path.join(self.dir, "metrics.jsonl"), []
+        cfg, metrics, rows = self.cfg, os.path.join(self.dir, "metrics.jsonl"), self.rows
         if RANK == 0:
             write_atomically(os.path.join(self.dir, "config.json"), settings_text(cfg, self.dir))
         if cfg.resume:
@@ -933,7 +1059,6 @@ class Run:
         else:
             say(f"writing to {self.dir}")
         if cfg.resume and RANK == 0:  # the rows up to the checkpoint: none twice, no cut line
-            rows = [r for r in read_metrics(metrics) if r["iteration"] <= self.begin]
             write_atomically(metrics, "".join(json.dumps(r) + "\n" for r in rows))
         # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
         self.evaluated_at_0 = all_reduce([any("split" in r for r in rows)], dist.ReduceOp.MAX)[0]
@@ -960,13 +1085,13 @@ class Run:
                 f"{next_steps(self.cfg, self.World, self.dir)}")
 
     def __exit__(self, kind, error, traceback):
+        release(self.dir)  # (under FSDP the others wait for rank 0 below)
         if self.bar is not None:
             self.bar.close()
         if kind is KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
             sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
             started = os.path.exists(os.path.join(self.dir, "config.json"))
-            launcher = ["torchrun", "--nproc_per_node", "G"] if self.cfg.fsdp else ["python"]
-            resume = shell(*launcher, sys.argv[0], "--resume", self.dir)
+            resume = shell(*launcher(self.cfg), "--resume", self.dir)
             say(f"\ninterrupted: continue with `{resume}`" if started else
                 "\ninterrupted before the run started: nothing written")
             sys.exit(130)
@@ -978,8 +1103,8 @@ class Run:
             dist.destroy_process_group()
 
 def claim(cfg):
-    """A fresh run's directory, taken by writing its config.json (O_EXCL): two runs never share one;
-    a default name takes the next free suffix. Returns it and the folders made (rank 0's)."""
+    """A fresh run's directory, locked and its config.json written: two runs never share one; a
+    default name takes the next free suffix. Returns it and the folders made (rank 0's)."""
     claimed = [None, [], None]  # the directory, the folders made, an error
     if RANK == 0:
         base = cfg.out or default_out(cfg)
@@ -989,13 +1114,8 @@ def claim(cfg):
                                                           os.path.join) if not os.path.isdir(path)]
             claimed = [run_dir, made, taken_by(run_dir, cfg.model)]
             try:
-                if not claimed[2]:
-                    os.makedirs(run_dir, exist_ok=True)
-                    with open(os.path.join(run_dir, "config.json"), "x") as fh:
-                        fh.write(settings_text(cfg, run_dir))
-            except FileExistsError:  # claimed meanwhile by a run that started
-                claimed[2] = taken_by(run_dir, cfg.model) or f"{run_dir} was taken meanwhile"
-            except OSError as e:
+                claimed[2] = claimed[2] or take(cfg, run_dir, made)
+            except OSError as e:  # a full disk, no permission: it left the folder as it was
                 claimed[2] = f"cannot write the run directory {run_dir}: {first_line(e)}"
                 break
             if cfg.out or not claimed[2]:  # a default name goes on to the next suffix
@@ -1006,40 +1126,112 @@ def claim(cfg):
         die(claimed[2])
     return claimed[0], claimed[1]
 
+def take(cfg, run_dir, made):
+    """Lock a free run_dir and write its config.json; else why not. A failure leaves nothing."""
+    done = False
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        why = hold(run_dir) or taken_by(run_dir, cfg.model)  # (claimed meanwhile by a run)
+        if not why:
+            write_atomically(os.path.join(run_dir, "config.json"), settings_text(cfg, run_dir))
+        done = not why
+        return why
+    finally:
+        if not done:
+            release(run_dir, delete=True)
+            remove_empty(made)
+
 def taken_by(run_dir, model):
     """Why a fresh run may not write into run_dir (only a new or empty folder), or None."""
     out, weights = os.path.realpath(run_dir), os.path.realpath(os.path.expanduser(model))
     if os.path.isdir(weights) and os.path.commonpath([out, weights]) == out:
         return f"--out {run_dir} holds the model the run starts from ({model}): give another --out"
-    if os.path.isfile(os.path.join(run_dir, "config.json")):
-        return (f"{run_dir} already holds a run: continue it with --resume {shlex.quote(run_dir)}, "
-                "or give another --out")
+    config = os.path.join(run_dir, "config.json")
+    if os.path.isfile(config) and unreadable(config, run_dir):
+        return unreadable(config, run_dir)
+    if os.path.isfile(config):
+        return in_use(run_dir) or (f"{run_dir} already holds a run: continue it with --resume "
+                                   f"{shlex.quote(run_dir)}, or give another --out")
+    if os.path.islink(run_dir) and not os.path.exists(run_dir):
+        return (f"--out {run_dir} is a link to {os.readlink(run_dir)}, which does not exist: make "
+                "that folder, or give another --out")
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         return f"--out {run_dir} is a file: give a new or empty folder"
-    if os.path.isdir(run_dir) and os.listdir(run_dir):
+    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) - {"lock"}:
         return (f"--out {run_dir} holds files and no run (no config.json): give a new or empty "
                 "folder (a run never writes over what is there)")
     return None
+
+# One trainer a run directory, for its whole life: a lock that the system lets go at any death.
+# The file locked must be the one in place: a fresh start that failed deletes it.
+HELD = {}  # the run directories this process holds: real path -> its open lock file
+
+def hold(run_dir):
+    """Lock run_dir for this process (rank 0, for all ranks) until release(); else who holds it."""
+    key, path = os.path.realpath(run_dir), os.path.join(run_dir, "lock")
+    while key not in HELD and os.environ.get("RANK", "0") == "0":
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only folder, say
+            return f"cannot lock the run directory {run_dir}: {first_line(e)}"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return in_use(run_dir) or hold(run_dir)  # (none: it has just ended)
+        except OSError as e:  # a file system without locks (some network ones)
+            say(f"note: cannot lock {run_dir} ({e.strerror}): see that no other trainer uses it")
+        HELD[key] = fd
+        if not os.fstat(fd).st_nlink:  # deleted meanwhile (a fresh start that failed): again
+            release(run_dir)
+    with contextlib.suppress(KeyError, OSError):  # who holds it, for in_use() to say
+        os.ftruncate(HELD[key], 0)
+        os.write(HELD[key], f"process {os.getpid()} on {socket.gethostname()}".encode())
+    return None
+
+def in_use(run_dir):
+    """Which trainer holds run_dir, in one line; None if none does (nothing is changed)."""
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, "lock")) as fh:  # (no lock file)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let go of as the file closes
+        except BlockingIOError:
+            return (f"{run_dir} is in use by {fh.read(200) or 'another process'}, a trainer of "
+                    "this run: wait for it to end, or stop it first (one trainer a run)")
+    return None
+
+def release(run_dir, delete=False):
+    """Let go of run_dir's lock, if this process holds it; `delete`: a fresh start failed."""
+    if os.path.realpath(run_dir) in HELD:
+        if delete:
+            os.remove(os.path.join(run_dir, "lock"))
+        os.close(HELD.pop(os.path.realpath(run_dir)))
 
 def default_out(cfg):
     """runs/<time>; an evaluation: RUN/eval-<split> (of RUN/model) or runs/eval-<model>-<split>."""
     if not cfg.eval:
         return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    model = os.path.normpath(os.path.expanduser(cfg.model))
+    model, split = os.path.normpath(cfg.model), urllib.parse.quote(cfg.split, safe="")  # v2%2Fhard
     run_dir = os.path.dirname(model)
     if os.path.basename(model) == "model" and os.path.isfile(os.path.join(run_dir, "config.json")):
-        return os.path.join(run_dir, f"eval-{cfg.split}")
-    return os.path.join("runs", f"eval-{os.path.basename(model)}-{cfg.split}")
+        return os.path.join(run_dir, f"eval-{split}")
+    return os.path.join("runs", f"eval-{os.path.basename(model)}-{split}")
 
-def unclaim(run_dir, made):
-    """A start that failed leaves nothing: the claim's config.json and the folders it made."""
-    if RANK == 0:
+def unclaim(run_dir, made, resumed):
+    """A start that failed leaves nothing: a fresh run's config.json, its lock, its folders."""
+    if RANK > 0:
+        return
+    if not resumed:
         os.remove(os.path.join(run_dir, "config.json"))
-        for path in reversed(made):  # emptied, innermost first (another run's stay)
-            try:
-                os.rmdir(path)
-            except OSError:
-                break
+    release(run_dir, delete=not resumed)
+    remove_empty(made)
+
+def remove_empty(folders):
+    """The folders made, innermost first, as far as they are empty (another run's stay)."""
+    for path in reversed(folders):
+        try:
+            os.rmdir(path)
+        except OSError:
+            break
 
 def settings_text(cfg, run_dir):
     """config.json: a run's settings, read by --resume (`out` is its directory)."""
@@ -1050,9 +1242,6 @@ def settings_text(cfg, run_dir):
 def next_steps(cfg, World, run_dir):
     """The commands that look at a finished run; the tools name a registered world module:Class."""
     model = os.path.join(run_dir, "model")
-    script = sys.argv[0]  # loop.py, or the script that registered the world, as it was run
-    launcher = ["torchrun", "--nproc_per_node", "G", script, "--fsdp"] if cfg.fsdp else ["python",
-                                                                                         script]
 
     def flags(env):  # the tiny world's settings are --tiny's
         split = ["--split", cfg.split] * (cfg.split != type(cfg).split)
@@ -1061,19 +1250,28 @@ def next_steps(cfg, World, run_dir):
     named = cfg.env
     if cfg.env not in ("tiny", "appworld") and ":" not in cfg.env:
         named = f"{World.__module__}:{World.__qualname__}"
-    steps = [["python", tool("plot.py"), run_dir], [*launcher, *flags(cfg.env), "--eval",
-                                                    "--model", model]]
+    steps = [["python", ours("tools/plot.py"), run_dir],
+             [*launcher(cfg), *["--fsdp"] * cfg.fsdp, *flags(cfg.env), "--eval", "--model", model]]
     if not named.startswith("__main__:"):
         task = tasks_of(World, cfg.split)[0]
-        steps.append(["python", tool("play.py"), *flags(named), "--model", model, "--task", task])
+        steps.append(["python", ours("tools/play.py"), *flags(named), "--model", model, "--task",
+                      task])
     return "\n".join("  " + shell(*step) for step in steps)
+
+def launcher(cfg):
+    """How a printed command starts a run: loop.py (whichever script called main), or the script
+    that registered the run's world (only it knows --env NAME), as it was run; torchrun's too."""
+    script = sys.argv[0]
+    registered = cfg.env not in ("tiny", "appworld") and ":" not in cfg.env
+    if not registered and os.path.realpath(script) != os.path.realpath(ours("loop.py")):
+        script = ours("loop.py")
+    return ["torchrun", "--nproc_per_node", "G", script] if cfg.fsdp else ["python", script]
 
 def shell(*words):
     """A command as a shell reads it back: every word quoted where it must be."""
     return " ".join(shlex.quote(str(word)) for word in words)
 
-def tool(name):
-    """tools/NAME as a path from the current directory (absolute from outside the repository)."""
-    path = os.path.relpath(os.path.join(HERE, "tools", name))
-    return os.path.join(HERE, "tools", name) if path.startswith("..") else path
-
+def ours(name):
+    """A file of this repository as a path from the current directory (absolute from outside)."""
+    path = os.path.relpath(os.path.join(HERE, name))
+    return os.path.join(HERE, name) if path.startswith("..") else path

@@ -5,11 +5,13 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -75,30 +77,54 @@ def episodes(tiny):
     return eps, calls
 
 
-def _run_command(command, timeout=600, **kwargs):
-    """subprocess.run with the output captured as text; a command that outlives its timeout is
-    killed with its whole process group (torchrun's ranks, a run's world workers): a run that hung
-    leaves nothing behind on the machine."""
+COMMANDS = iter(range(10**9))  # each test command's mark, LOOP_TEST_COMMAND=<pid>.<n>
+
+
+def _run_command(command, timeout=600, env=None, **kwargs):
+    """subprocess.run with the output captured as text. A command that outlives its timeout fails
+    its test then, killed with every process it started, found by the mark it put in their
+    environment: torchrun's ranks (each in a session of its own), a run's world workers, orphans."""
+    mark = f"LOOP_TEST_COMMAND={os.getpid()}.{next(COMMANDS)}"
+    env = dict(os.environ if env is None else env, LOOP_TEST_COMMAND=mark.split("=")[1])
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True, **kwargs) as proc:
+                          start_new_session=True, env=env, **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            while _marked(mark):  # (a process may start another while they are killed)
+                for pid in _marked(mark):
+                    os.kill(pid, signal.SIGKILL)
+                time.sleep(0.1)
             proc.communicate()
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _marked(entry):
+    """The live processes whose environment holds `entry` (NAME=value)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:  # (a zombie's is empty)
+                if b"\0" + entry.encode() + b"\0" in b"\0" + fh.read():
+                    pids.append(int(pid))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
 
 
 def _cli(*args, cwd=HERE, env=None, timeout=600):
     return _run_command([sys.executable, os.path.join(HERE, "loop.py"), *args], cwd=cwd, env=env, timeout=timeout)
 
 
-def _error(capsys, *argv):
-    """Exit code and stderr of a user mistake, which must be one line and no traceback."""
+def _error(capsys, *argv, loaded=False):
+    """Exit code and stderr of a user mistake, which must be one line and no traceback (`loaded`:
+    after the model's loading bar)."""
     with pytest.raises(SystemExit) as stop:
         loop.main(list(argv))
     err = capsys.readouterr().err
+    if loaded and "\r" in err:
+        err = err.split("\r")[-1].split("\n", 1)[-1]  # (the bar ends its last line with \n)
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     return stop.value.code, err
 
@@ -221,7 +247,7 @@ def _imports(name):
 def test_each_file_keeps_its_budget_and_its_place():
     """What a reader reads next to the paper stays readable: loop.py at most 700 lines (500 of code),
     none over 100 characters, so new machinery goes to infra.py; the tiny world, the template a
-    forker copies, at most 220; all modules beside the tests at most 2,000; the README at most 300.
+    forker copies, at most 220; all modules beside the tests at most 2,200; the README at most 300.
     infra.py never imports loop, the worlds neither, and loop.py reads infra's names late (infra.X)."""
     modules = [name for name in os.listdir(HERE) if name.endswith(".py") and name != "test_loop.py"]
     assert {"loop.py", "infra.py", "tiny_world.py", "appworld_env.py", "chat.py"} <= set(modules)
@@ -229,7 +255,7 @@ def test_each_file_keeps_its_budget_and_its_place():
     with open(os.path.join(HERE, "loop.py")) as fh:
         assert not [line for line in fh.read().splitlines() if len(line) > 100]
     assert _lines("tiny_world.py") <= 220
-    assert sum(map(_lines, modules)) <= 2000, {name: _lines(name) for name in modules}
+    assert sum(map(_lines, modules)) <= 2200, {name: _lines(name) for name in modules}
     assert _lines("README.md") <= 300
     assert "loop" not in _imports("infra.py") and "loop" not in _imports("chat.py")
     assert not {"loop", "infra"} & (_imports("tiny_world.py") | _imports("appworld_env.py"))
@@ -361,8 +387,7 @@ def test_settings_parse_without_the_source_file(tmp_path):
     words = compiled.stdout.replace("loop.pyc", "loop.py").split()  # the usage lines wrap one column later
     assert compiled.returncode == 0 and words == reference.split()
     run = _run_command([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "profile"), os.path.join(HERE, "loop.py"),
-                        "--tiny", "--iterations", "1", "--tasks-per-iteration", "2", "--eval-every", "1",
-                        "--out", str(tmp_path / "run")])
+                        *quick(), "--iterations", "1", "--eval-every", "1", "--out", str(tmp_path / "run")])
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 1] and (tmp_path / "profile").stat().st_size > 0
@@ -1831,6 +1856,26 @@ def test_an_environment_that_cannot_be_used_is_one_line(tmp_path, capsys, monkey
     assert stop.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
 
 
+def test_a_failing_done_or_close_is_named_as_itself_and_a_close_after_a_score_keeps_it(monkeypatch, capsys):
+    """done that raises: the episode fails as done's failure (before: blamed on step). close() that
+    raises after a valid evaluate(): the score stands, said once, and its worker ends so that no
+    world of the next wave meets what it left (before: the score thrown away as evaluate's)."""
+    monkeypatch.setattr(infra.Hosted, "said", set())
+    world = infra.Hosted(_Misbehaving, "a_1", 1.0, "done=lambda: 1 / 0")
+    world.messages()
+    assert world.step("print(1)").startswith("Environment failed") and world.failed
+    assert world.error == "_Misbehaving.done raised ZeroDivisionError: division by zero"
+    worlds = [infra.Hosted(_Misbehaving, "a_1", 1.0, "close=True") for _ in range(2)]
+    results = [(w.messages(), w.step("print(1)"), w.evaluate())[-1] for w in worlds]
+    assert results == [(1, 2), (1, 2)] and not any(w.failed for w in worlds)
+    assert worlds[0].worker is not worlds[1].worker and not worlds[0].worker.is_alive()
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: _Misbehaving.done raised ZeroDivisionError: division by zero: its episode fails as the "
+                     "world's (said once)",
+                     "note: _Misbehaving.close raised RuntimeError: it would not close: the score it gave is kept "
+                     "(said once)"]
+
+
 class _Broken:
     """A forker's world with a bug in step() for the tasks of its train and broken splits."""
 
@@ -1890,6 +1935,38 @@ def test_the_tasks_of_a_world_are_checked_at_the_start(tmp_path, capsys, monkeyp
     assert code == 2 and message in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("preload, message", [
+    (lambda: 1 / 0, "W.preload() raised ZeroDivisionError: division by zero"),
+    (lambda: None, "W.preload() returned None: it must return a list of the modules every worker imports"),
+    (lambda: "numpy", "W.preload() returned 'numpy': it must return a list of the modules every worker imports"),
+])
+def test_a_worlds_preload_is_checked_at_the_start(tmp_path, capsys, monkeypatch, preload, message):
+    """preload() that raises or returns no list of names: one line before the model loads (before:
+    a traceback at the first wave, or a string's letters silently ignored as module names)."""
+    members = {name: getattr(_Broken, name) for name in ("tasks", "messages", "step", "evaluate")}
+    monkeypatch.setitem(loop.ENVS, "w", type("W", (), {"preload": staticmethod(preload), **members}))
+    code, err = _error(capsys, *quick(), "--env", "w", "--out", str(tmp_path / "run"))
+    assert code == 2 and message in err and not (tmp_path / "run").exists()
+
+
+class _SlashWorld(tiny_world.TinyWorld):
+    """The tiny world with a split whose name holds a slash, as a forker's may (v2/hard)."""
+
+    @staticmethod
+    def tasks(split):
+        return tiny_world.TinyWorld.tasks("test" if split == "v2/hard" else split)[:3]
+
+
+def test_a_split_whose_name_cannot_name_a_file_is_written_safely(tmp_path, monkeypatch):
+    """Its transcripts and its evaluation's default folder name it whole and safely. Before, the run
+    crashed after its first evaluation was played."""
+    monkeypatch.setitem(loop.ENVS, "slash", _SlashWorld)
+    loop.main([*quick(), "--env", "slash", "--split", "v2/hard", "--iterations", "0", "--out", "run"])
+    assert os.listdir(tmp_path / "run" / "transcripts") == ["v2%2Fhard_iter0000.txt"]
+    loop.main([*quick(), "--env", "slash", "--split", "v2/hard", "--eval", "--model", SHIPPED])
+    assert os.listdir(tmp_path / "runs") == ["eval-tiny-model-v2%2Fhard"]
+
+
 def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
     """...a command a shell reads back: the script as it was run, a directory with a space quoted."""
     run = tmp_path / "a run"
@@ -1936,7 +2013,28 @@ def test_ctrl_c_while_a_progress_bar_is_built_prints_no_traceback(tmp_path):
     script.write_text(CUT_SHORT_BAR.format(here=HERE, run=str(tmp_path / "run")))
     r = _run_command([sys.executable, str(script)], timeout=300)
     assert r.returncode == 130 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"interrupted: continue with `python {script} --resume")
+    loop_py = os.path.join(HERE, "loop.py")  # what resumes it, whichever script called loop.main()
+    assert r.stderr.strip().splitlines()[-1].startswith(f"interrupted: continue with `python {loop_py} --resume")
+
+
+def test_a_console_that_goes_away_does_not_end_the_run(tmp_path):
+    """`python loop.py ... | head -1`, then a closed terminal: stdout and stderr closed after the
+    first line, SIGHUP sent; the run trains to its end, exit code 0, with its rows, checkpoint and
+    model/. Before, a BrokenPipeError at its next line, before the checkpoint (SIGHUP: killed)."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), *quick(), "--iterations", "2", "--out",
+                             str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith("iteration 0: test TGC")  # as head -1 reads it
+        proc.stdout.close()
+        proc.stderr.close()
+        os.kill(proc.pid, signal.SIGHUP)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert [(row["iteration"], "split" in row) for row in infra.read_metrics(run / "metrics.jsonl")] == [
+        (0, True), (1, False), (2, False), (2, True)]
+    assert (run / "checkpoint").is_dir() and (run / "model" / "model.safetensors").exists()
 
 
 @pytest.fixture(scope="module")
@@ -2053,19 +2151,31 @@ def test_a_rank_with_no_task_joins_the_others_and_the_run_finishes(tmp_path):
     assert rows[1]["turns_mean"] >= 1 and rows[1]["env_failures"] == 0  # rank 0's 4 rollouts played
 
 
-def test_a_command_that_hangs_is_killed_with_its_whole_process_group(tmp_path):
-    """A test's command that outlives its timeout (a hung run: torchrun and its ranks, a trainer and
-    its worlds' workers) is killed with every process it started: none is left on the machine."""
-    parent = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
-              f"time.sleep(300)']); open({str(tmp_path / 'pid')!r}, 'w').write(str(child.pid)); time.sleep(300)")
+def _hang(started):
+    """Both ranks of a 2-rank run hang, each with a world's worker: rank 0 in a collective that
+    waits for rank 1, rank 1 in its own code."""
+    infra.start_distributed()
+    world = infra.Hosted(tiny_world.TinyWorld, "order00_1", 1.0, "")
+    world.messages()  # the forkserver and a worker
+    pathlib.Path(f"{started}.{infra.RANK}").write_text(str(world.worker.pid))
+    if infra.RANK == 0:
+        torch.distributed.barrier()
+    time.sleep(600)
+
+
+def test_a_test_command_that_hangs_on_both_ranks_fails_at_its_timeout_and_leaves_nothing(tmp_path, monkeypatch):
+    """A test's command that outlives its timeout (a hung 2-rank run) fails the test then, and is
+    killed with every process it started: torchrun, its ranks (each in a session of its own, which
+    killing torchrun's process group left running, holding the pipes the test waited on) and the
+    ranks' world workers. Before, such a test hung for ever."""
+    monkeypatch.setenv("LOOP_HANG_TEST", str(tmp_path))  # what each process of the run inherits
+    started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        _run_command([sys.executable, "-c", parent], timeout=3)
-    child = int((tmp_path / "pid").read_text())
-    try:
-        time.sleep(0.2)
-        assert _gone(child)
-    finally:
-        _gone(child) or os.kill(child, signal.SIGKILL)
+        _torchrun("test_loop.py", "hang", str(tmp_path / "started"), timeout=15)
+    assert time.monotonic() - started < 30
+    workers = [int((tmp_path / f"started.{rank}").read_text()) for rank in (0, 1)]  # both hung there
+    time.sleep(0.2)
+    assert not _marked(f"LOOP_HANG_TEST={tmp_path}") and all(map(_gone, workers))
 
 
 # ---------------- infra.py: loading, LoRA, FSDP2, the log-prob head; the chat template (chat.py)
@@ -2663,7 +2773,7 @@ def _logged(run):
 
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory):
-    """The rows of KILL_RUN run without a kill, and how many calls of EVENTS it makes."""
+    """The rows of KILL_RUN run without a kill, how many calls of EVENTS it makes, the run."""
     run = tmp_path_factory.mktemp("unbroken") / "run"
     events = []
     with pytest.MonkeyPatch.context() as mp:
@@ -2673,7 +2783,7 @@ def unbroken(tmp_path_factory):
         loop.main([*KILL_RUN, "--out", str(run)])
     rows = _logged(run)
     assert sum(row.get("steps", 0) for row in rows) > 0  # it learns: a checkpoint is more than its start
-    return rows, len(events)
+    return rows, len(events), run
 
 
 # where the kill is, and which of the checkpoint folders and model/ it leaves
@@ -2691,7 +2801,7 @@ KILLS = {"during the first evaluation": ("concurrently:2", set()),  # its first 
 @pytest.mark.parametrize("moment", [*KILLS, "at seeded random moment 1", "at seeded random moment 2",
                                     "at seeded random moment 3"])
 def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbroken, tmp_path, capsys, moment):
-    rows, events = unbroken
+    rows, events, _ = unbroken
     if moment in KILLS:
         where, left = KILLS[moment]
     else:
@@ -2715,6 +2825,61 @@ def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbro
             f"starting {run} again from iteration 0 (no checkpoint yet)") in said
     assert (run / "model" / "model.safetensors").exists() and not (run / "checkpoint.old").exists()
     assert {p.name for p in run.iterdir() if p.is_dir()} == {"checkpoint", "model", "transcripts"}
+
+
+def _cut(path, keep=0.5):
+    """The file cut short, as a copy or a disk that filled up leaves it."""
+    with open(path, "r+b") as fh:
+        fh.truncate(int(os.path.getsize(path) * keep))
+
+
+@pytest.mark.parametrize("damaged", ["checkpoint/__0_0.distcp", "checkpoint/.metadata", "model/model.safetensors",
+                                     "adapter_model.safetensors"])
+def test_a_damaged_weights_file_adapter_or_checkpoint_is_one_line_naming_it(unbroken, tmp_path, capsys, damaged):
+    """A file cut short: the run cannot resume from its checkpoint, or the model cannot be loaded;
+    one line names the file and what to do, exit code 2. Before, a traceback, exit code 1."""
+    run = tmp_path / "run"
+    shutil.copytree(unbroken[2], run)
+    model = run / "model"
+    if damaged.startswith("adapter"):  # a LoRA run's model/: an adapter on the base it names
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+        base = AutoModelForCausalLM.from_pretrained(SHIPPED)
+        get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+        shutil.copy(model / "tokenizer.json", tmp_path / "adapter")
+        model = tmp_path / "adapter"
+    _cut(model / damaged if damaged.startswith("adapter") else run / damaged)
+    if damaged.startswith("checkpoint"):
+        code, err = _error(capsys, "--resume", str(run), "--iterations", "4", loaded=True)
+        assert code == 2 and err == (f"error: {run / damaged} " + ("is missing or cut short" if "distcp" in damaged else
+                                     "is damaged (pickle data was truncated)") + f": restore it, or delete "
+                                     f"{run / 'checkpoint'} and --resume starts the run again from iteration 0\n")
+        return
+    code, err = _error(capsys, "--tiny", "--eval", "--model", str(model), loaded=True)  # (an adapter's base)
+    assert code == 2 and err == (f"error: cannot load model {model}: {model / damaged.split('/')[-1]} is damaged (Error "
+                                 "while deserializing header: incomplete metadata, file not fully covered): copy or "
+                                 "download it again\n")
+
+
+@pytest.mark.parametrize("line", ["null", "{}", '{"iteration": "3", "tgc": 0.5}', '{"iteration": 3, "tg'])
+def test_a_metrics_line_that_is_not_a_row_is_one_line_naming_it_and_never_dropped(unbroken, tmp_path, capsys, line):
+    """--resume and tools/plot.py name the line and the file (before: a traceback, or a line in
+    the middle dropped without a word); only a cut last line, as a kill leaves it, is dropped."""
+    run = tmp_path / "run"
+    shutil.copytree(unbroken[2], run)
+    rows = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(rows[:2] + [line + "\n"] + rows[2:]))
+    said = f"error: line 3 of {run / 'metrics.jsonl'} is not a metrics row (a JSON object with an integer iteration)"
+    with pytest.raises(SystemExit) as stop:
+        plot.main([str(run)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(said) and len(err.splitlines()) == 1, err
+    if line == "null":
+        code, err = _error(capsys, "--resume", str(run), "--iterations", "4")  # before any work
+        assert code == 2 and err.startswith(said)
+    if line.endswith("tg"):  # as the last line, cut by a kill: dropped
+        (run / "metrics.jsonl").write_text("".join(rows) + line)
+        assert infra.read_metrics(run / "metrics.jsonl") == [json.loads(row) for row in rows]
 
 
 def test_each_iteration_samples_its_own_tasks_and_a_resumed_one_samples_the_same(tiny, monkeypatch):
@@ -2880,7 +3045,7 @@ def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_n
     with monkeypatch.context() as mp:
         mp.setattr(infra, "load_model_and_tokenizer", loading)
         code, err = _error(capsys, "--tiny", "--out", str(run))
-    assert code == 2 and f"{run} already holds a run: continue it with --resume {run}" in err
+    assert code == 2 and f"{run} is in use by process {os.getpid()} on " in err  # (the claim above)
     with monkeypatch.context() as mp:
         mp.setattr(time, "strftime", lambda *args: "20261204-184601")
         claims = [infra.claim(loop.parse_config(["--tiny"])) for _ in range(3)]
@@ -2900,6 +3065,72 @@ def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_n
     runs = sorted(p for p in (tmp_path / "together" / "runs").iterdir())
     assert len(runs) == 2 and sorted(json.loads((p / "config.json").read_text())["seed"] for p in runs) == [1, 2]
     assert all(len(infra.read_metrics(p / "metrics.jsonl")) == 1 for p in runs)
+
+
+GATED_WORLD = """
+import os
+import time
+
+import tiny_world
+
+
+class GatedWorld(tiny_world.TinyWorld):
+    \"\"\"The tiny world, whose steps wait for the file $GATE (and say so in $GATE.waiting).\"\"\"
+
+    def step(self, code):
+        open(os.environ["GATE"] + ".waiting", "w").close()
+        while not os.path.exists(os.environ["GATE"]):
+            time.sleep(0.05)
+        return super().step(code)
+"""
+
+
+def test_one_trainer_holds_a_run_directory_from_its_claim_to_its_exit(tmp_path):
+    """A sweep trains its first run (held at its first step); a second sweep and a --resume of that
+    run each stop with one line naming the trainer's process, exit code 2, and change nothing
+    there (a fresh run into it: test_a_run_claims_its_directory_...). Killed with kill -9, the run is free at once: of two
+    resumes started together, one trains it to its end, the other stops with the winner's line.
+    Before, every one of them trained: rows twice and out of order, checkpoint/ and model/ written
+    by two, and the second sweep deleted the first's run (it had no checkpoint yet)."""
+    (tmp_path / "gated_world.py").write_text(GATED_WORLD)
+    gate, run = tmp_path / "gate", tmp_path / "sweep" / "token-0"
+    env = dict(os.environ, GATE=str(gate), PYTHONPATH=HERE)
+    sweep = [sys.executable, os.path.join(HERE, "tools", "ablation.py"), "--seeds", "0", "--iterations", "1",
+             "--out", "sweep", *quick()[1:], "--env", "gated_world:GatedWorld", "--code-timeout", "600"]
+    first = subprocess.Popen(sweep, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+
+    def started(*command):
+        return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{gate}.waiting") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = _files(run)
+        loop_py = os.path.join(HERE, "loop.py")
+        others = [started(*sweep), started(sys.executable, loop_py, "--resume", str(run))]
+        said = (f"sweep/token-0 is in use by process {first.pid} on {socket.gethostname()}, a trainer of this "
+                "run: wait for it to end, or stop it first (one trainer a run)")
+        for other in others:
+            _, err = other.communicate(timeout=120)
+            assert other.returncode == 2 and err.startswith("error: ") and said in err, err
+            assert len(err.strip().splitlines()) == 1, err
+        assert _files(run) == before and os.listdir(tmp_path / "sweep") == ["token-0"]
+        os.killpg(first.pid, signal.SIGKILL)  # kill -9, in its first evaluation
+        first.communicate(timeout=60)
+        gate.touch()
+        resumes = [started(sys.executable, loop_py, "--resume", str(run)) for _ in range(2)]
+        ended = [proc.communicate(timeout=300) for proc in resumes]
+    finally:
+        for proc in [first, *locals().get("others", []), *locals().get("resumes", [])]:
+            os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    (winner, _), (loser, (_, err)) = sorted(zip(resumes, ended), key=lambda pair: pair[0].returncode)
+    assert winner.returncode == 0 and loser.returncode == 2, ended
+    assert f"{run} is in use by process {winner.pid} on " in err and len(err.strip().splitlines()) == 1
+    assert [(row["iteration"], "split" in row) for row in infra.read_metrics(run / "metrics.jsonl")] == [
+        (0, True), (1, False), (1, True)]
+    assert (run / "model" / "model.safetensors").exists()
 
 
 def _files(folder):
@@ -2930,11 +3161,66 @@ def test_a_fresh_run_writes_only_into_a_new_or_empty_folder_and_never_over_its_m
     assert (tmp_path / "empty" / "metrics.jsonl").exists()
 
 
+def _small_files():
+    """In a child: a write past 100 bytes fails (EFBIG), as on a disk that is full."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def test_a_claim_that_fails_changes_nothing_and_a_run_whose_settings_are_lost_says_so(tmp_path, capsys):
+    """config.json cannot be written while --out is claimed: one line, exit code 2, and the folder as it
+    was (a new one gone, an empty one empty). A folder whose config.json is empty or unreadable (as the
+    claim of an older version left it): one line that says so and what to do, for a fresh run and a
+    resume. Before, an empty config.json was left, and then 'already holds a run' and 'cannot read'."""
+    (tmp_path / "empty").mkdir()
+    for out in ("new/run", "empty"):
+        r = _run_command([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", out], cwd=tmp_path,
+                         timeout=120, preexec_fn=_small_files)
+        assert r.returncode == 2 and r.stderr == f"error: cannot write the run directory {out}: [Errno 27] File too large\n"
+    assert os.listdir(tmp_path) == ["empty"] and not os.listdir(tmp_path / "empty")
+    for text, problem in [("", "is empty"), ('{"seed": 1', "cannot read config")]:
+        (tmp_path / "empty" / "config.json").write_text(text)
+        lost = (f"the settings of the run in {tmp_path / 'empty'} are lost (its start failed, a full disk, say): mend "
+                f"the file, or delete {tmp_path / 'empty'} and start the run again")
+        for argv in (["--tiny", "--out", str(tmp_path / "empty")], ["--resume", str(tmp_path / "empty")]):
+            code, err = _error(capsys, *argv)
+            assert code == 2 and problem in err and err.endswith(lost + "\n"), err
+
+
+def test_paths_work_from_any_directory(tmp_path, capsys, monkeypatch):
+    """A run of a relative --model resumes from another directory (config.json records the model's
+    whole path; the same model named from there is no change); ~ is expanded for --out and --resume
+    as for --model; an empty model and an --out that links to nowhere are one line each. Before: 'download
+    it from the hub', a folder named ~, the config file's own folder loaded as a model, 'taken meanwhile'."""
+    shutil.copytree(SHIPPED, tmp_path / "models" / "tiny")
+    loop.main([*quick(), "--model", "models/tiny", "--iterations", "0", "--out", "run"])
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"] == str(tmp_path / "models" / "tiny")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    loop.main(["--resume", "../run", "--iterations", "1", "--model", "../models/tiny"])
+    assert [row["iteration"] for row in infra.read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 1]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert loop.parse_config(["--tiny", "--out=~/x"]).out == str(tmp_path / "x")
+    (tmp_path / "empty.json").write_text('{"model": ""}')
+    capsys.readouterr()
+    for argv, where in [(["--tiny", "--model", ""], ""), (["--config", str(tmp_path / "empty.json")],
+                                                          f"'model' in {tmp_path / 'empty.json'}: ")]:
+        code, err = _error(capsys, *argv)
+        assert code == 2 and err == (f"error: {where}argument --model: must name a model directory or a Hugging "
+                                     "Face id (see --help)\n")
+    os.symlink(tmp_path / "nowhere", tmp_path / "link")
+    code, err = _error(capsys, "--tiny", "--out", str(tmp_path / "link"))
+    assert code == 2 and err == (f"error: --out {tmp_path / 'link'} is a link to {tmp_path / 'nowhere'}, which does "
+                                 "not exist: make that folder, or give another --out\n")
+
+
 def test_an_evaluation_only_run_writes_no_model(tmp_path, capsys):
     """--iterations 0 evaluates the model it starts from: writing that model again (64 GB at 32B)
     would add nothing."""
     loop.main([*quick(), "--iterations", "0", "--out", str(tmp_path / "run"), "--tasks-per-iteration", "500"])
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "metrics.jsonl", "transcripts"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "lock", "metrics.jsonl",
+                                                                    "transcripts"]
     err = capsys.readouterr().err
     assert "no iterations, so no model/" in err
     assert "note: --tasks-per-iteration 500 is more than the 81 tasks of train: each iteration plays all of them" in err
@@ -3217,6 +3503,10 @@ class _Misbehaving:
     def evaluate(self):
         return self.answers["evaluate"]
 
+    def close(self):
+        if self.answers.get("close"):
+            raise RuntimeError("it would not close")
+
 
 LIST_OF_MESSAGES = "a non-empty list of {'role': str, 'content': str}"
 RESULT = "(tests passed, tests total), 0 <= passed <= total, total > 0; or None if the world failed"
@@ -3240,8 +3530,11 @@ RESULT = "(tests passed, tests total), 0 <= passed <= total, total > 0; or None 
     ("evaluate=3", f"evaluate() returned 3: it must return {RESULT}"),
     ("evaluate=('1', '2')", f"evaluate() returned ('1', '2'): it must return {RESULT}"),
     ("evaluate=(1, 2, 3)", f"evaluate() returned (1, 2, 3): it must return {RESULT}"),
+    ("evaluate=(__import__('numpy').array([1, 2]), 2)", f"evaluate() returned (array([1, 2]), 2): it must return {RESULT}"),
     ("evaluate=None", None),  # the world says it failed: no reward, no note
     ("done=lambda: False", ""), ("evaluate=[2, 2.0]", ""), ("step='\\ud83d\\ude00 \\ud83d'", ""),  # allowed
+    ("evaluate=(__import__('numpy').bool_(True), __import__('numpy').int64(2))", ""),  # numpy's numbers
+    ("evaluate=(__import__('decimal').Decimal(1), __import__('torch').tensor(2))", ""),
 ])
 def test_what_a_world_returns_is_checked_where_it_runs(bad, refused, monkeypatch, capsys):
     """Each value a world's member may wrongly return fails its episode as the world's failure (no
@@ -3254,8 +3547,9 @@ def test_what_a_world_returns_is_checked_where_it_runs(bad, refused, monkeypatch
     for world in worlds:
         opening, output, result = world.messages(), world.step("print(1)"), world.evaluate()
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
-    if refused == "":  # what the interface allows
-        assert not world.failed and result in ((1, 2), (2, 2)) and world.done is False
+    if refused == "":  # what the interface allows, as the numbers they are
+        assert not world.failed and result in ((1, 2), (2, 2.0)) and world.done is False
+        assert [type(x) for x in result] == [int, int if bad != "evaluate=[2, 2.0]" else float]
         assert output in ("ok", "\U0001f600 \ufffd") and opening == [{"role": "user", "content": "go"}]
         assert not notes
         return
@@ -3704,7 +3998,7 @@ def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsy
     assert stop.value.code == 2 and "no finished runs" in capsys.readouterr().err
 
 
-def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch):
+def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
     quick = ["--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
              "--eval-max-turns", "1", "--max-turns", "2"]
     calls, main = [], loop.main
@@ -3724,13 +4018,21 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
     table = (tmp_path / "ablation.md").read_text().splitlines()
     assert len(table) == 15 and table[2].startswith("| per-token (LOOP) | 1 |")
-    # Again, after one run was cut off before it saved its model: only that one runs, resumed.
-    import shutil
+    said = capsys.readouterr().err  # the commands a run prints do what they say: loop.py's
+    assert f"python {os.path.join(HERE, 'loop.py')} --tiny --eval --model {tmp_path / 'none-0' / 'model'}" in said
+    assert "ablation.py" not in said
+    # Again, after one run was cut off before it saved its model, and one before its first
+    # checkpoint (a file of the user's beside it): only they run, resumed, and nothing is deleted.
     shutil.rmtree(tmp_path / "turn-0" / "model")
+    shutil.rmtree(tmp_path / "none-0" / "model")
+    shutil.rmtree(tmp_path / "none-0" / "checkpoint")
+    (tmp_path / "none-0" / "notes.txt").write_text("mine")
     calls.clear()
     ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
-    assert calls == [["--resume", str(tmp_path / "turn-0"), "--iterations", "2"]]
+    assert calls == [["--resume", str(tmp_path / name), "--iterations", "2"] for name in ("turn-0", "none-0")]
     assert [r["iteration"] for r in infra.read_metrics(tmp_path / "turn-0" / "metrics.jsonl")] == [0, 1, 2, 2]
+    assert [r["iteration"] for r in infra.read_metrics(tmp_path / "none-0" / "metrics.jsonl")] == [0, 1, 2, 2]
+    assert (tmp_path / "none-0" / "notes.txt").read_text() == "mine"
 
 
 def test_plot_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):
@@ -3770,7 +4072,7 @@ def _harness(argv):
         {"kill_at": _kill_at, "fail_on_rank_1": _fail_on_rank_1}[name](first, rest)
     else:
         {"fsdp_worker": _fsdp_worker, "sampling_worker": _sampling_worker,
-         "one_read_worker": _one_read_worker}[name](first, *rest)
+         "one_read_worker": _one_read_worker, "hang": _hang}[name](first, *rest)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ matplotlib installed, the learning curves go to DIR/ablation.png.
 import argparse
 import json
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,17 +42,12 @@ def sweep(seeds, iterations, root, extra):
 
 
 def run_once(run, iterations, flags):
-    """Skip a finished run, resume one that has a checkpoint, start any other afresh."""
-    config = os.path.join(run, "config.json")
-    if os.path.isdir(os.path.join(run, "model")) and os.path.exists(config):
-        with open(config) as fh:
-            if json.load(fh)["iterations"] == iterations:
-                return
-    if os.path.isdir(os.path.join(run, "checkpoint")):
+    """Skip a finished run, resume one that started (from its checkpoint, or from iteration 0),
+    start any other. No folder is deleted; a run that another process trains stops the sweep."""
+    if not os.path.exists(os.path.join(run, "config.json")):
+        loop.main([*flags, "--iterations", str(iterations), "--out", run])
+    elif infra.trained_to(os.path.join(run, "model")) != iterations:
         loop.main(["--resume", run, "--iterations", str(iterations)])
-        return
-    shutil.rmtree(run, ignore_errors=True)
-    loop.main([*flags, "--iterations", str(iterations), "--out", run])
 
 
 def finished_runs(root):
