@@ -1970,7 +1970,7 @@ def test_a_split_whose_name_cannot_name_a_file_is_written_safely(tmp_path, monke
 def test_ctrl_c_ends_a_run_with_one_line_that_says_how_to_resume_it(tmp_path):
     """...a command a shell reads back: the script as it was run, a directory with a space quoted."""
     run = tmp_path / "a run"
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--out", str(run)],
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), *quick(), "--out", str(run)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             start_new_session=True, preexec_fn=_sigint_as_by_default)
     try:
@@ -2002,7 +2002,7 @@ def interrupted(self, *args, **kwargs):  # Ctrl-C while the training bar is bein
 
 if __name__ == "__main__":
     tqdm.tqdm.__init__ = interrupted
-    loop.main(["--tiny", "--iterations", "1", "--out", {run!r}])
+    loop.main(["--tiny", "--iterations", "1", "--eval-max-turns", "1", "--out", {run!r}])
 """
 
 
@@ -2171,8 +2171,8 @@ def test_a_test_command_that_hangs_on_both_ranks_fails_at_its_timeout_and_leaves
     monkeypatch.setenv("LOOP_HANG_TEST", str(tmp_path))  # what each process of the run inherits
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        _torchrun("test_loop.py", "hang", str(tmp_path / "started"), timeout=15)
-    assert time.monotonic() - started < 30
+        _torchrun("test_loop.py", "hang", str(tmp_path / "started"), timeout=10)  # (hung: after 4 s)
+    assert time.monotonic() - started < 25
     workers = [int((tmp_path / f"started.{rank}").read_text()) for rank in (0, 1)]  # both hung there
     time.sleep(0.2)
     assert not _marked(f"LOOP_HANG_TEST={tmp_path}") and all(map(_gone, workers))
@@ -3058,7 +3058,7 @@ def test_a_run_claims_its_directory_before_loading_the_model_and_default_names_n
     assert evaluations == [str(run / "eval-test"), str(run / "eval-test-2"), "runs/eval-tiny-model-test"]
     (tmp_path / "together").mkdir()
     started = [subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--iterations", "0", "--seed",
-                                 str(seed)], cwd=tmp_path / "together", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 str(seed), "--eval-max-turns", "1"], cwd=tmp_path / "together", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True) for seed in (1, 2)]
     outputs = [proc.communicate(timeout=300) for proc in started]
     assert all(proc.returncode == 0 for proc in started), outputs
