@@ -166,8 +166,8 @@ def check_resume(args, saved):
 def read_settings(path, Config, run=""):
     """A JSON object of settings as flags, each checked here (a mistake names the file and key);
     `run`: the run directory whose config.json it is."""
-    if unreadable(path, run):
-        die(unreadable(path, run))
+    if why := unreadable(path, run):
+        die(why)
     values = json.loads(pathlib.Path(path).read_text())
     if not isinstance(values, dict):
         die(f"config {path} must hold one JSON object of settings")
@@ -1147,8 +1147,8 @@ def taken_by(run_dir, model):
     if os.path.isdir(weights) and os.path.commonpath([out, weights]) == out:
         return f"--out {run_dir} holds the model the run starts from ({model}): give another --out"
     config = os.path.join(run_dir, "config.json")
-    if os.path.isfile(config) and unreadable(config, run_dir):
-        return unreadable(config, run_dir)
+    if os.path.isfile(config) and (why := unreadable(config, run_dir)):
+        return why
     if os.path.isfile(config):
         return in_use(run_dir) or (f"{run_dir} already holds a run: continue it with --resume "
                                    f"{shlex.quote(run_dir)}, or give another --out")
@@ -1247,9 +1247,7 @@ def next_steps(cfg, World, run_dir):
         split = ["--split", cfg.split] * (cfg.split != type(cfg).split)
         return (["--tiny"] if env == "tiny" else ["--env", env] + ["--bf16"] * cfg.bf16) + split
 
-    named = cfg.env
-    if cfg.env not in ("tiny", "appworld") and ":" not in cfg.env:
-        named = f"{World.__module__}:{World.__qualname__}"
+    named = f"{World.__module__}:{World.__qualname__}" if registered(cfg) else cfg.env
     steps = [["python", ours("tools/plot.py"), run_dir],
              [*launcher(cfg), *["--fsdp"] * cfg.fsdp, *flags(cfg.env), "--eval", "--model", model]]
     if not named.startswith("__main__:"):
@@ -1262,10 +1260,13 @@ def launcher(cfg):
     """How a printed command starts a run: loop.py (whichever script called main), or the script
     that registered the run's world (only it knows --env NAME), as it was run; torchrun's too."""
     script = sys.argv[0]
-    registered = cfg.env not in ("tiny", "appworld") and ":" not in cfg.env
-    if not registered and os.path.realpath(script) != os.path.realpath(ours("loop.py")):
+    if not registered(cfg) and os.path.realpath(script) != os.path.realpath(ours("loop.py")):
         script = ours("loop.py")
     return ["torchrun", "--nproc_per_node", "G", script] if cfg.fsdp else ["python", script]
+
+def registered(cfg):
+    """Whether the run's world is one that only the script which registered it knows."""
+    return cfg.env not in ("tiny", "appworld") and ":" not in cfg.env
 
 def shell(*words):
     """A command as a shell reads it back: every word quoted where it must be."""
