@@ -3103,6 +3103,7 @@ def test_one_trainer_holds_a_run_directory_from_its_claim_to_its_exit(tmp_path):
     def started(*command):
         return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
+    others, resumes = [], []  # (killed in the end, whatever happened)
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(f"{gate}.waiting") and time.monotonic() < deadline:
@@ -3123,7 +3124,7 @@ def test_one_trainer_holds_a_run_directory_from_its_claim_to_its_exit(tmp_path):
         resumes = [started(sys.executable, loop_py, "--resume", str(run)) for _ in range(2)]
         ended = [proc.communicate(timeout=300) for proc in resumes]
     finally:
-        for proc in [first, *locals().get("others", []), *locals().get("resumes", [])]:
+        for proc in [first, *others, *resumes]:
             os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
     (winner, _), (loser, (_, err)) = sorted(zip(resumes, ended), key=lambda pair: pair[0].returncode)
     assert winner.returncode == 0 and loser.returncode == 2, ended
