@@ -271,14 +271,14 @@ def loo_advantages(rewards, normalize=False, valid=None):
 LOG_RATIO_BOUND = 40.0  # |log r| past this: no gradient (exp(40) x 3k tokens stays finite)
 
 def loop_loss(logp, old_logp, adv, mask, turn_of, ratio="token", eps=0.1):
-    """Per-rollout loss (to minimise) and number of clipped (or bounded) tokens. logp, old_logp,
+    """Per-rollout loss (to minimise) and clipped (or bounded) tokens [B]. logp, old_logp,
     mask, turn_of: [B, T] over target tokens; adv: [B]. Each rollout's loss is the mean over its own
     output tokens (a(x) = mask) of -min(r A, clip(r, 1/(1+eps), 1+eps) A)."""
     mask = mask.to(logp.dtype)
     n = mask.sum(1).clamp(min=1)
     a = adv[:, None]
     if ratio == "none":  # on-policy RLOO: -A * mean log p
-        return -(adv * (logp * mask).sum(1) / n), torch.zeros((), device=logp.device)
+        return -(adv * (logp * mask).sum(1) / n), torch.zeros_like(adv)
     log_r = (logp - old_logp) * mask
     if ratio == "turn":  # one ratio per assistant turn, shared by that turn's tokens
         turns = int(turn_of.max().clamp(min=0)) + 1  # (an empty pass has no turn at all)
@@ -293,7 +293,7 @@ def loop_loss(logp, old_logp, adv, mask, turn_of, ratio="token", eps=0.1):
     r = torch.exp(bounded)
     clipped = torch.clamp(r, 1 / (1 + eps), 1 + eps)
     objective = torch.minimum(r * a, clipped * a)  # Eq. 5
-    n_clipped = (((bounded != log_r) | ((clipped * a) < (r * a))) & mask.bool()).sum()
+    n_clipped = (((bounded != log_r) | ((clipped * a) < (r * a))) & mask.bool()).sum(1)
     return -(objective * mask).sum(1) / n, n_clipped
 
 # 5. One LOOP iteration (the body of Algorithm 1), and its update: PPO epochs of minibatches
@@ -358,7 +358,8 @@ def update(model, opt, episodes, advantages, cfg):
             if not math.isnan(a) and abs(a) >= cfg.min_abs_advantage]
     counts = infra.all_reduce([len(used) * (r == infra.RANK) for r in range(infra.WORLD)])
     stats = {"rollouts_used": int(sum(counts)), "steps": 0, "skipped_nan": 0, "abandoned": False,
-             "kl": 0.0, "clip_fraction": 0.0, "loss": 0.0, "grad_norm": 0.0}
+             "kl": 0.0, "clip_fraction": 0.0, "clipped_rollouts": 0.0, "loss": 0.0,
+             "grad_norm": 0.0}
     if not sum(counts):
         return stats
     old = old_logprobs(model, episodes, used, counts, cfg)
@@ -366,11 +367,12 @@ def update(model, opt, episodes, advantages, cfg):
     params = [p for group in opt.param_groups for p in group["params"]]  # FSDP's sharded ones
     kls, losses, norms = [], [], []
     clipped = outputs = 0
+    whole = set()  # this rank's rollouts whose every output token was clipped in a minibatch
     for _ in range(cfg.epochs):
         order = random.sample(used, len(used))
         for chunks, size in minibatches(order, counts, cfg):
             opt.zero_grad(set_to_none=True)
-            loss_sum, kl_sum, n_clipped, n_outputs = minibatch_backward(
+            (loss_sum, kl_sum, n_clipped, n_outputs), all_clipped = minibatch_backward(
                 model, episodes, chunks, old, advantages, cfg)
             kls.append(kl_sum / size)
             if abs(kls[-1]) > cfg.max_kl:  # the policy moved too far: stop using these rollouts
@@ -391,10 +393,12 @@ def update(model, opt, episodes, advantages, cfg):
             losses.append(loss_sum / cfg.minibatch_size)
             clipped += n_clipped
             outputs += n_outputs
+            whole.update(all_clipped)
         if stats["abandoned"]:
             break
     stats.update(kl=mean(kls), clip_fraction=clipped / max(outputs, 1), loss=mean(losses),
                  grad_norm=mean(norms))
+    stats["clipped_rollouts"] = infra.all_reduce([len(whole)])[0] / sum(counts)
     return stats
 
 def minibatches(order, counts, cfg):
@@ -426,8 +430,8 @@ def old_logprobs(model, episodes, used, counts, cfg):
 
 def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
     """Accumulate one minibatch's gradient over its micro-batches; returns the sums over ranks
-    of [loss, KL estimate, clipped tokens, output tokens]."""
-    totals = [0.0, 0.0, 0, 0]
+    of [loss, KL estimate, clipped tokens, output tokens], and this rank's rollouts all clipped."""
+    totals, all_clipped = [0.0, 0.0, 0, 0], []
     for chunk in chunks:
         ids, attn, is_output, turn_of = pad_batch([episodes[i] for i in chunk])
         logp = infra.token_logprobs(model, ids, attn, cfg.temperature)
@@ -442,9 +446,11 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
         # sum over rollouts / minibatch size; x world because FSDP averages gradients over ranks
         (per_rollout.sum() * infra.WORLD / cfg.minibatch_size).backward()
         kl = -((logp - old_logp) * mask).sum()
-        step = [per_rollout.sum().item(), kl.item(), n_clipped.item(), mask.sum().item()]
+        step = [per_rollout.sum().item(), kl.item(), n_clipped.sum().item(), mask.sum().item()]
         totals = [a + b for a, b in zip(totals, step)]
-    return infra.all_reduce(totals)
+        outputs = mask.sum(1).tolist()
+        all_clipped += [i for i, k, n in zip(chunk, n_clipped.tolist(), outputs) if k == n > 0]
+    return infra.all_reduce(totals), all_clipped
 
 NO_OUTPUT = Episode("", None, ids=[0, 0], is_output=[False, False], turn_of=[-1, -1])
 

@@ -1547,8 +1547,8 @@ def test_the_empty_pass_of_a_rank_without_rollouts_is_valid_for_every_ratio(kind
     collectives: it must give a zero loss and no gradient for every ratio (--ratio turn raised)."""
     cfg = loop.parse_config(UPDATE_FLAGS + ["--ratio", kind])
     model, tok = infra.load_model_and_tokenizer(cfg)
-    totals = loop.minibatch_backward(model, [], [[]], {}, torch.zeros(0), cfg)
-    assert totals == [0.0, 0.0, 0, 0]
+    totals, all_clipped = loop.minibatch_backward(model, [], [[]], {}, torch.zeros(0), cfg)
+    assert totals == [0.0, 0.0, 0, 0] and all_clipped == []
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
@@ -1567,6 +1567,31 @@ def _one_minibatch_twice():
 def _as_after_one_step(model, one_step):
     for p, q in zip(model.parameters(), one_step.parameters()):
         assert torch.isfinite(p).all() and torch.allclose(p, q, atol=1e-6)
+
+
+def test_clipped_rollouts_is_the_share_of_rollouts_all_clipped_in_some_minibatch(monkeypatch):
+    """8 rollouts, 2 epochs of minibatches of 2 (as loop_loss says): the 5 with A > 0 have every
+    output token clipped in the second epoch (3 of them in the first too), those with A < 0 all
+    tokens but one in both epochs. clipped_rollouts = 5/8: each counted once, none partly clipped. Per token, loop_loss
+    counts each rollout's own clipped tokens (hand-computed: 1 of 3, and 3 of 3)."""
+    cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--minibatch-size", "2"])
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    eps, adv = _synthetic_episodes(Chat(tok))
+    real, passes = loop.loop_loss, [0]
+
+    def reported(logp, old_logp, adv, mask, *args):
+        loss, _ = real(logp, old_logp, adv, mask, *args)
+        passes[0] += 1
+        outputs = mask.sum(1)
+        return loss, torch.where(adv > 0, outputs * ((passes[0] > 4) | (adv > 0.6)), outputs - 1)
+    monkeypatch.setattr(loop, "loop_loss", reported)
+    stats = loop.update(model, torch.optim.SGD(model.parameters(), lr=0.0), eps, adv, cfg)
+    assert passes[0] == 8 and stats["steps"] == 8 and stats["clipped_rollouts"] == 5 / 8
+    logp = torch.cat([OLD, OLD])
+    logp[0, 1:4] += torch.log(torch.tensor([1.5, 0.5, 1.05]))
+    logp[1, 1:4] += torch.log(torch.tensor([1.5, 1.2, 1.3]))
+    _, n_clipped = real(logp, torch.cat([OLD, OLD]), torch.tensor([2.0, 2.0]), torch.cat([MASK, MASK]), torch.cat([TURN, TURN]))
+    assert n_clipped.tolist() == [1, 3]
 
 
 def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(monkeypatch):
@@ -3957,8 +3982,9 @@ def _fake_runs(root):
         cfg = {"iterations": its, "ratio": ratio, "normalize_rewards": False, "seed": int(name[-1])}
         (root / name / "config.json").write_text(json.dumps(cfg))
         rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 20.0}
-                for i, (t, g) in enumerate(zip(tgc, sgc))] + [{"iteration": i + 1, "clip_fraction": c, "kl": 2 * c, "seconds": 70.0}
-                                                              for i, c in enumerate(clip)]
+                for i, (t, g) in enumerate(zip(tgc, sgc))] + [
+                    {"iteration": i + 1, "clip_fraction": c, "clipped_rollouts": c / 2, "kl": 2 * c,
+                     "tokens_mean": 300 if ratio == "token" else 400, "seconds": 70.0} for i, c in enumerate(clip)]
         (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with open(root / "token-1" / "metrics.jsonl", "a") as fh:
         fh.write('{"iteration": 21, "clip_fr')  # a line cut short by a kill: left out
@@ -3968,21 +3994,23 @@ def _fake_runs(root):
 def test_ablation_report_by_hand(tmp_path, capsys):
     _fake_runs(tmp_path)
     ablation.main(["--report", str(tmp_path)])
-    # Per seed: LOOP 0 reaches 50% at 10 and 90% at 20, LOOP 1 50% at 20 and never 90%, per-turn
+    # Per seed: LOOP 0 reaches 50% at 10 and 80% at 20, LOOP 1 50% at 20 and never 80%, per-turn
     # neither. AUC by trapezoids over 0..20: LOOP 0 (10 * .3 + 10 * .75) / 20 = 52.5%, LOOP 1
     # (2 + 4.5) / 20 = 32.5%, per-turn (0 + 1) / 20 = 5% and (.5 + 2.5) / 20 = 15%. Spread is
     # min-max over seeds; per-turn's AUC minus LOOP's on the same seed: 5 - 52.5 and 15 - 32.5. KL
-    # is twice the clip fraction in these rows; the time is the rows' seconds summed, 3 x 20 + 2 x 70.
+    # is twice the clip fraction in these rows, the rollouts clipped whole half; the time is the
+    # rows' seconds summed, 3 x 20 + 2 x 70. LOOP beats per-turn on both seeds: sign test p = 1/4.
     rows = capsys.readouterr().out.splitlines()
     assert rows[2:4] == [
         "| per-token (LOOP) | 2 | 15.0 (10-20) | 20.0 (20-20), 1 never | 42.5 (32.5-52.5) | - | 70.0 (50.0-90.0) | "
-        "33.3 (33.3-33.3) | 0.150 (0.100-0.200) | 0.300 (0.200-0.400) | 200 |",
+        "33.3 (33.3-33.3) | 0.150 (0.100-0.200) | 0.075 (0.050-0.100) | 0.300 (0.200-0.400) | 300 | 200 |",
         "| per-turn | 2 | never | never | 10.0 (5.0-15.0) | -32.5 (-47.5 to -17.5) | 30.0 (20.0-40.0) | 16.7 (0.0-33.3) | "
-        "0.500 (0.500-0.500) | 1.000 (1.000-1.000) | 200 |"]
-    assert rows[7:] == ["| per-token (LOOP) | 0 | 10 | 20 | 52.5 | 90.0 | 33.3 | 0.200 | 0.400 |",
-                        "| per-token (LOOP) | 1 | 20 | - | 32.5 | 50.0 | 33.3 | 0.100 | 0.200 |",
-                        "| per-turn | 0 | - | - | 5.0 | 20.0 | 0.0 | 0.500 | 1.000 |",
-                        "| per-turn | 1 | - | - | 15.0 | 40.0 | 33.3 | 0.500 | 1.000 |"]
+        "0.500 (0.500-0.500) | 0.250 (0.250-0.250) | 1.000 (1.000-1.000) | 400 | 200 |"]
+    assert rows[7:11] == ["| per-token (LOOP) | 0 | 10 | 20 | 52.5 | - | 90.0 | 33.3 | 0.200 | 0.100 | 0.400 | 200 |",
+                          "| per-token (LOOP) | 1 | 20 | - | 32.5 | - | 50.0 | 33.3 | 0.100 | 0.050 | 0.200 | 200 |",
+                          "| per-turn | 0 | - | - | 5.0 | -47.5 | 20.0 | 0.0 | 0.500 | 0.250 | 1.000 | 200 |",
+                          "| per-turn | 1 | - | - | 15.0 | -17.5 | 40.0 | 33.3 | 0.500 | 0.250 | 1.000 | 200 |"]
+    assert rows[14:] == ["| per-token (LOOP) > per-turn | 2 of 2 | +32.5 | 0.250 |"]
     assert (tmp_path / "ablation.md").read_text().splitlines() == rows
 
 
@@ -4018,7 +4046,7 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     assert json.loads((tmp_path / "rwnorm-0" / "config.json").read_text())["normalize_rewards"]
     assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
     table = (tmp_path / "ablation.md").read_text().splitlines()
-    assert len(table) == 15 and table[2].startswith("| per-token (LOOP) | 1 |")
+    assert len(table) == 23 and table[2].startswith("| per-token (LOOP) | 1 |")
     said = capsys.readouterr().err  # the commands a run prints do what they say: loop.py's
     assert f"python {os.path.join(HERE, 'loop.py')} --tiny --eval --model {tmp_path / 'none-0' / 'model'}" in said
     assert "ablation.py" not in said

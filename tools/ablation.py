@@ -1,5 +1,8 @@
 """The paper's Table 1 ablation in miniature: five variants of the objective on the tiny world.
 
+    # long tasks (long-test), off-policy updates: 8 tasks x 6 rollouts in minibatches of 4
+    python tools/ablation.py --seeds 0 1 2 3 4 --iterations 40 --config tools/ablation_long.json \
+        --out runs/ablation-long
     # where learning is not saturated: 2 tasks x 6 rollouts an iteration at lr 1.5e-5
     python tools/ablation.py --seeds 0 1 2 3 4 --iterations 45 --config tools/ablation_hard.json \
         --out runs/ablation-hard
@@ -11,11 +14,13 @@ Every variant of every seed trains from the shipped tiny model (`--tiny`: assets
 with the same budget; the seed sets the tasks and the sampling. Runs that finished are skipped
 and interrupted ones resumed, so a sweep that was stopped continues where it was. Flags this
 script does not know go to every loop.py run (`--config FILE` of settings over --tiny's, or
-`--tasks-per-iteration 2` for a quick try). The tables go to stdout and DIR/ablation.md; with
+`--tasks-per-iteration 2` for a quick try). The tables (per variant, per run, and the verdict on
+each of the paper's orderings with a sign test over seeds) go to stdout and DIR/ablation.md; with
 matplotlib installed, the learning curves go to DIR/ablation.png.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -74,10 +79,11 @@ def finished_runs(root):
 
 
 def seed_figures(curve, training):
-    """One run's figures: the first evaluation at which held-out TGC reaches 50% and 90% (None if
+    """One run's figures: the first evaluation at which held-out TGC reaches 50% and 80% (None if
     it never does), the area under the TGC curve as a share of the perfect one (trapezoids over the
-    evaluations: 1.0 is 100% from the start), final TGC and SGC, the clip fraction and KL estimate
-    of its updates (means over iterations) and its time (its rows' seconds summed)."""
+    evaluations: 1.0 is 100% from the start), final TGC and SGC, the clip fraction, the share of
+    rollouts clipped whole, the KL estimate and the tokens per trajectory (means over iterations)
+    and its time (its rows' seconds summed)."""
     its = sorted(curve)
     tgc = [curve[i]["tgc"] for i in its]
 
@@ -85,11 +91,13 @@ def seed_figures(curve, training):
         return next((i for i, value in zip(its, tgc) if value >= level), None)
     area = sum((b - a) * (ta + tb) / 2 for a, b, ta, tb in zip(its, its[1:], tgc, tgc[1:]))
     final = curve[its[-1]]
-    return {"to50": first(0.5), "to90": first(0.9),
+    return {"to50": first(0.5), "to80": first(0.8),
             "auc": area / (its[-1] - its[0]) if len(its) > 1 else tgc[0],
             "tgc": final["tgc"], "sgc": final["sgc"],
             "clip": loop.mean([r["clip_fraction"] for r in training]),
             "kl": loop.mean([r["kl"] for r in training]),
+            "whole": loop.mean([r.get("clipped_rollouts", math.nan) for r in training]),
+            "tokens": loop.mean([r["tokens_mean"] for r in training]),
             "seconds": sum(r["seconds"] for r in training) + sum(curve[i]["seconds"] for i in its)}
 
 
@@ -110,17 +118,41 @@ def iterations(values):
     return text + (f", {missed} never" if reached and missed else "")
 
 
+def differences(figures, key, base=("token", False)):
+    """The variant's TGC AUC minus `base`'s on each seed both ran, in points: seeds differ more
+    than variants do (their tasks and samples differ), so the comparison is made within a seed."""
+    if key == base or base not in figures or key not in figures:
+        return {}
+    base_auc = {f["seed"]: f["auc"] for f in figures[base]}
+    return {f["seed"]: 100 * (f["auc"] - base_auc[f["seed"]]) for f in figures[key]
+            if f["seed"] in base_auc}
+
+
 def paired(figures, key):
-    """The variant's TGC AUC minus LOOP's on each seed both ran, in points: seeds differ more than
-    variants do (their tasks and samples differ), so the comparison is made within a seed."""
-    loop_key = ("token", False)
-    if key == loop_key or loop_key not in figures:
-        return "-"
-    loop_auc = {f["seed"]: f["auc"] for f in figures[loop_key]}
-    diffs = [100 * (f["auc"] - loop_auc[f["seed"]]) for f in figures[key] if f["seed"] in loop_auc]
-    if not diffs:
-        return "-"
-    return f"{loop.mean(diffs):+.1f} ({min(diffs):+.1f} to {max(diffs):+.1f})"
+    diffs = list(differences(figures, key).values())
+    return f"{loop.mean(diffs):+.1f} ({min(diffs):+.1f} to {max(diffs):+.1f})" if diffs else "-"
+
+
+CLAIMS = [  # the paper's orderings (Table 1): (better, worse)
+    (("token", False), ("turn", False)), (("turn", False), ("trajectory", False)),
+    (("token", False), ("trajectory", False)), (("token", False), ("none", False)),
+    (("token", False), ("token", True))]
+
+
+def verdicts(figures):
+    """Per claim "A beats B": the seeds on which A's TGC AUC is above B's, and the one-sided sign
+    test's p (ties left out): the chance of so many or more under a coin toss per seed."""
+    lines = ["| claim | seeds where it holds (AUC) | mean AUC difference | sign test p |",
+             "|---" * 4 + "|"]
+    for better, worse in CLAIMS:
+        diffs = list(differences(figures, better, worse).values())
+        if not diffs:
+            continue
+        wins, n = sum(d > 0 for d in diffs), sum(d != 0 for d in diffs)  # (A's AUC - B's)
+        p = sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n
+        lines.append(f"| {label(better)} > {label(worse)} | {wins} of {len(diffs)} | "
+                     f"{loop.mean(diffs):+.1f} | {p:.3f} |")
+    return lines
 
 
 def report(root):
@@ -134,23 +166,28 @@ def report(root):
     order = sorted(runs, key=lambda key: list(VARIANTS).index(key) if key in VARIANTS else 99)
     figures = {key: [{"seed": seed, **seed_figures(curve, rows)} for seed, curve, rows in runs[key]]
                for key in order}
-    lines = ["| variant | seeds | iterations to 50% TGC | iterations to 90% TGC | TGC AUC % | "
-             "AUC - LOOP's, same seed | final TGC % | final SGC % | clip fraction | KL | wall s |",
-             "|---" * 11 + "|"]
+    lines = ["| variant | seeds | iterations to 50% TGC | iterations to 80% TGC | TGC AUC % | "
+             "AUC - LOOP's, same seed | final TGC % | final SGC % | clip fraction | "
+             "rollouts clipped whole | KL | tokens per trajectory | wall s |", "|---" * 13 + "|"]
     for key in order:
         f = {name: [seed[name] for seed in figures[key]] for name in figures[key][0]}
         lines.append(f"| {label(key)} | {len(f['tgc'])} | {iterations(f['to50'])} | "
-                     f"{iterations(f['to90'])} | {pct(f['auc'])} | {paired(figures, key)} | "
+                     f"{iterations(f['to80'])} | {pct(f['auc'])} | {paired(figures, key)} | "
                      f"{pct(f['tgc'])} | {pct(f['sgc'])} | {spread(f['clip'])} | "
-                     f"{spread(f['kl'])} | {loop.mean(f['seconds']):.0f} |")
-    lines += ["", "| variant | seed | to 50% | to 90% | TGC AUC % | final TGC % | final SGC % | "
-              "clip fraction | KL |", "|---" * 9 + "|"]
+                     f"{spread(f['whole'])} | {spread(f['kl'])} | {loop.mean(f['tokens']):.0f} | "
+                     f"{loop.mean(f['seconds']):.0f} |")
+    lines += ["", "| variant | seed | to 50% | to 80% | TGC AUC % | AUC - LOOP's | final TGC % | "
+              "final SGC % | clip fraction | clipped whole | KL | wall s |", "|---" * 12 + "|"]
     for key in order:
+        diffs = differences(figures, key)
         for f in figures[key]:
-            to50, to90 = ("-" if f[k] is None else f[k] for k in ("to50", "to90"))
-            lines.append(f"| {label(key)} | {f['seed']} | {to50} | {to90} | {100 * f['auc']:.1f} | "
-                         f"{100 * f['tgc']:.1f} | {100 * f['sgc']:.1f} | {f['clip']:.3f} | "
-                         f"{f['kl']:.3f} |")
+            to50, to80 = ("-" if f[k] is None else f[k] for k in ("to50", "to80"))
+            diff = f"{diffs[f['seed']]:+.1f}" if f["seed"] in diffs else "-"
+            lines.append(f"| {label(key)} | {f['seed']} | {to50} | {to80} | {100 * f['auc']:.1f} | "
+                         f"{diff} | {100 * f['tgc']:.1f} | {100 * f['sgc']:.1f} | "
+                         f"{f['clip']:.3f} | {f['whole']:.3f} | {f['kl']:.3f} | "
+                         f"{f['seconds']:.0f} |")
+    lines += ["", *verdicts(figures)]
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(root, "ablation.md"), "w") as fh:
