@@ -109,24 +109,36 @@ class TinyWorld:
     from world to world and are in no prompt, as an AppWorld agent meets apps it does not know:
     only apis.api_docs tells them. A supervisor receives the answer; unit-test-like checks judge
     the end state. Tasks come in scenarios of three (one template, three worlds); train and test
-    hold other scenarios."""
+    hold other scenarios. The long families (splits long-train, long-test) chain look-ups across
+    three apps, each app's docs read before its call: 7 turns, done carefully."""
 
     FAMILIES = {"order": "Order the item at the top of my wishlist.",
                 "payback": "Pay back the last person who paid me, the same amount.",
-                "phone": "What is the phone extension of the last person who paid me?"}
+                "phone": "What is the phone extension of the last person who paid me?",
+                "gift": "Order the top item of the wishlist of the person I meet next.",
+                "repay": "Pay back the person I meet next what they last paid me."}
     APPS = {"order": "shop", "payback": "bank", "phone": "contacts"}
+    CHAINS = {"gift": ["calendar", "gifts", "shop"], "repay": ["calendar", "ledger", "bank"]}
+    DOCS = {"shop": "(item): orders an item", "bank": "(name, amount): sends money",
+            "contacts": "(name): a phone extension", "calendar": "(): whom I meet, the next first",
+            "gifts": "(name): a person's wishlist, top first",
+            "ledger": "(name): what a person last paid me"}
     SYSTEM = ("Apps: shop, bank, contacts; see apis.api_docs.show(app). Mine: "
               "apis.supervisor.wishlist(), apis.supervisor.payments() (latest first), "
               "apis.supervisor.complete_task(answer=None)")
+    LONG_SYSTEM = ("Apps: calendar, gifts, ledger, shop, bank, contacts; see "
+                   "apis.api_docs.show(app). Mine: apis.supervisor.complete_task(answer=None)")
     DOCS_CALL, ERROR_PREFIX = "apis.api_docs.", "Execution failed"  # for the behaviour shares
 
     @staticmethod
     def tasks(split):
-        """Per family 12 scenarios of 3 tasks: 9 scenarios train, 3 test."""
-        if split not in ("train", "test"):
-            raise ValueError(f"the tiny world's splits are train and test, not {split!r}")
-        scenarios = range(3) if split == "test" else range(3, 12)
-        return [f"{family}{i:02d}_{n}" for family in TinyWorld.FAMILIES for i in scenarios
+        """Per family 12 scenarios of 3 tasks: 9 scenarios train, 3 test; long-: the long ones."""
+        if split not in ("train", "test", "long-train", "long-test"):
+            raise ValueError("the tiny world's splits are train, test, long-train and long-test, "
+                             f"not {split!r}")
+        families = [f for f in TinyWorld.FAMILIES if (f in TinyWorld.CHAINS) == ("long" in split)]
+        scenarios = range(3) if split.endswith("test") else range(3, 12)
+        return [f"{family}{i:02d}_{n}" for family in families for i in scenarios
                 for n in (1, 2, 3)]
 
     def __init__(self, task_id, timeout=5.0, experiment=None):
@@ -145,6 +157,15 @@ class TinyWorld:
         self.phones = dict(zip(people, map(int, rng.sample(values["numbers"], 4))))
         amounts = map(int, rng.sample(values["numbers"], 2))
         self.payments = list(zip(people[:2], amounts))  # latest first
+        self.apps = list(self.APPS.values())
+        if self.family in self.CHAINS:  # the long families' apps and state, drawn after the rest
+            more = rng.sample([word for word in values["words"] if word not in words], 15)
+            self.api |= dict(zip(["calendar", "gifts", "ledger"], more))
+            self.apps = ["calendar", "gifts", "ledger", *self.apps]
+            self.meetings = rng.sample(people, 3)  # the next first
+            self.gifts = {who: more[3 + 3 * i:6 + 3 * i] for i, who in enumerate(people)}
+            paid = map(int, rng.sample(values["numbers"], 4))
+            self.ledger = dict(zip(people, paid)) | dict(self.payments)  # the last, as payments()
         self.instruction = self.FAMILIES[self.family]
         self.transfers = []
         self.orders = []
@@ -173,6 +194,17 @@ class TinyWorld:
                 raise KeyError(f"no contact named {name!r}")
             return self.phones[name]
 
+        def meetings():
+            return list(self.meetings)
+
+        def wishlist_of(name):
+            phone(name)  # a contact of that name
+            return list(self.gifts[name])
+
+        def paid(name):
+            phone(name)
+            return self.ledger[name]
+
         def complete_task(answer=None):
             self.answer = answer
             self.done = True
@@ -183,20 +215,19 @@ class TinyWorld:
 
         supervisor = App("supervisor", wishlist=wishlist, payments=payments,
                          complete_task=complete_task)
+        work = {"shop": buy, "bank": send, "contacts": phone, "calendar": meetings,
+                "gifts": wishlist_of, "ledger": paid}
         return App("apis", api_docs=App("api_docs", show=show), supervisor=supervisor,
-                   shop=App("shop", **{self.api["shop"]: buy}),
-                   bank=App("bank", **{self.api["bank"]: send}),
-                   contacts=App("contacts", **{self.api["contacts"]: phone}))
+                   **{app: App(app, **{self.api[app]: work[app]}) for app in self.apps})
 
     def docs(self, app):
-        docs = {"shop": "(item): orders an item", "bank": "(name, amount): sends money",
-                "contacts": "(name): a phone extension"}
-        if app not in docs:
-            raise KeyError(f"no app named {app!r}; the apps are shop, bank, contacts")
-        return f"apis.{app}.{self.api[app]}{docs[app]}"
+        if app not in self.apps:
+            raise KeyError(f"no app named {app!r}; the apps are {', '.join(self.apps)}")
+        return f"apis.{app}.{self.api[app]}{self.DOCS[app]}"
 
     def messages(self):
-        return [{"role": "system", "content": self.SYSTEM},
+        system = self.LONG_SYSTEM if self.family in self.CHAINS else self.SYSTEM
+        return [{"role": "system", "content": system},
                 {"role": "user", "content": self.instruction}]
 
     def step(self, code):
@@ -205,9 +236,15 @@ class TinyWorld:
     def evaluate(self):
         """Checks on the end state; partial credit always points at the full solution."""
         last, amount = self.payments[0]
+        if self.family in self.CHAINS:  # the person I meet next, and what they last paid me
+            last, amount = self.meetings[0], self.ledger[self.meetings[0]]
         if self.family == "order":
             checks = [len(self.orders) == 1, self.orders == self.wishlist[:1]]
-        elif self.family == "payback":
+        elif self.family == "gift":  # one order, an item of their wishlist, the top one
+            wanted = self.gifts[last]
+            checks = [len(self.orders) == 1, any(self.orders == [item] for item in wanted),
+                      self.orders == wanted[:1]]
+        elif self.family in ("payback", "repay"):
             checks = [len(self.transfers) == 1, [to for to, _ in self.transfers] == [last],
                       [amount for _, amount in self.transfers] == [amount]]
         else:

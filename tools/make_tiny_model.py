@@ -1,6 +1,6 @@
 """Make the tiny instruct model that `python loop.py --tiny` starts from (assets/tiny-model).
 
-    python tools/make_tiny_model.py --out assets/tiny-model --seed 0    # 2-4 minutes on 2 cores
+    python tools/make_tiny_model.py --out assets/tiny-model --seed 1    # 4-6 minutes on 2 cores
 
 The paper starts LOOP from a pretrained instruct model. This makes a small stand-in for one,
 offline: a byte-level BPE tokenizer trained on the tiny world's own text, a random Qwen2-
@@ -8,9 +8,10 @@ architecture model of --shape, and a supervised warm-up in worlds whose API name
 task of tiny_world.TinyWorld uses:
 1. docs-reading drills, what pretraining gives a real model: copying a name from the context.
    8 drills a step until the model writes 90% of 64 fresh ones exactly (at most --drills steps);
-2. a careless agent's demonstrations (--demos steps): it knows the task families and their code,
-   but often calls an API by the name it assumes instead of reading the docs, rarely recovers
-   from the error that follows, and sometimes takes the last entry of a list for the first.
+2. a careless agent's demonstrations (--demos steps, half of them of the long families): it knows
+   the task families and their code, but often calls an API by the name it assumes instead of
+   reading the docs, rarely recovers from the error that follows, and sometimes takes the last
+   entry of a list for the first.
 The result is a from_pretrained directory (weights, config, tokenizer, generation config) with
 make_tiny_model.jsonl, the log of every step. The same seed gives the same model on the same CPU
 setup. --drills 0 --demos 0 gives a random model of --shape (a real model's width, say).
@@ -35,7 +36,7 @@ import tiny_world  # noqa: E402
 SHAPE = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
          "tie_word_embeddings": True}
-"""Qwen2Config fields of the shipped model: 1.06M parameters."""
+"""Qwen2Config fields of the shipped model: 1.07M parameters."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -43,65 +44,85 @@ CHAT_TEMPLATE = (
 DEMO_VALUES = {key: [v for v in pool if v not in tiny_world.TASK_VALUES[key]]
                for key, pool in (("words", tiny_world.WORDS), ("numbers", tiny_world.NUMBERS))}
 
-# The careless agent, a stand-in for an instruction-tuned model on apps it does not know. Each
-# demonstration reads the docs before acting with probability LOOK (by family), else calls the API
-# by the name it assumes (ASSUMED: no world's API names), as a model does with an app it believes
-# it knows; after the error, it reads the docs and goes on with probability RECOVER, else gives
-# up; with probability WRONG it takes the last entry of a list for the first.
-LOOK = {"order": 0.8, "payback": 0.2, "phone": 0.2}
-ASSUMED = {"shop": "buy", "bank": "send", "contacts": "phone"}
-RECOVER = 0.25
-WRONG = 0.3
+# The careless agent, a stand-in for an instruction-tuned model on apps it does not know. With
+# probability LOOK (by family) it reads each app's docs before calling it; else it calls the first
+# app's API by the name it assumes (ASSUMED: no world's API names), as a model does with an app it
+# believes it knows. After the error it reads the docs from then on with probability RECOVER (by
+# family), else gives up. With probability WRONG (by family) it takes the last entry of a list for
+# the first. The long families' agent is careful less often (one careless call fails the chain),
+# slips less and recovers less: RL must move each habit far before greedy decoding follows it.
+LOOK = {"order": 0.8, "payback": 0.2, "phone": 0.2, "gift": 0.15, "repay": 0.15}
+ASSUMED = {"shop": "buy", "bank": "send", "contacts": "phone", "calendar": "meetings",
+           "gifts": "wishlist", "ledger": "paid"}
+RECOVER = {"order": 0.25, "payback": 0.25, "phone": 0.25, "gift": 0.15, "repay": 0.15}
+WRONG = {"order": 0.3, "payback": 0.3, "phone": 0.3, "gift": 0.1, "repay": 0.1}
 
 
-def unseen(rng):
-    """A world of a random family whose names and values no task uses."""
-    world = tiny_world.TinyWorld(f"{rng.choice(list(tiny_world.TinyWorld.FAMILIES))}00_1")
+def unseen(rng, long=None):
+    """A world of a random family (a long one, a short one, if `long` says) whose names and values
+    no task uses."""
+    families = [family for family in tiny_world.TinyWorld.FAMILIES
+                if long is None or (family in tiny_world.TinyWorld.CHAINS) == long]
+    world = tiny_world.TinyWorld(f"{rng.choice(families)}00_1")
     world.task_id = "demo"
     world.populate(rng, DEMO_VALUES)
     return world
 
 
-def action(world, api, index):
-    """The family's one line of work, calling the app's API by the name `api`."""
-    app = world.APPS[world.family]
-    if world.family == "order":
-        return f"apis.shop.{api}(item=apis.supervisor.wishlist()[{index}])"
+def apps(world):
+    """The apps a task of `world` calls, in order: one, or a long family's chain of three."""
+    return tiny_world.TinyWorld.CHAINS.get(world.family, [world.APPS.get(world.family)])
+
+
+def action(world, app, api, index):
+    """The line of work with `app` in `world`'s task, calling its API by the name `api`; a long
+    family's look-ups keep what they found in x (a person) and y (their item or amount)."""
     last = f"apis.supervisor.payments()[{index}]"
-    if world.family == "payback":
-        return f"apis.bank.{api}(**{last})"
-    return f'x = apis.{app}.{api}(name={last}["name"])'
+    lines = {"order": f"apis.shop.{api}(item=apis.supervisor.wishlist()[{index}])",
+             "payback": f"apis.bank.{api}(**{last})",
+             "phone": f'x = apis.contacts.{api}(name={last}["name"])',
+             "calendar": f"x = apis.calendar.{api}()[{index}]",
+             "gifts": f"y = apis.gifts.{api}(name=x)[{index}]",
+             "ledger": f"y = apis.ledger.{api}(name=x)",
+             "shop": f"apis.shop.{api}(item=y)",
+             "bank": f"apis.bank.{api}(name=x, amount=y)"}
+    return lines[app if world.family in world.CHAINS else world.family]
 
 
 def careless_agent(world, rng):
     """The careless agent's code for `world`, one string per turn."""
-    app = world.APPS[world.family]
-    docs = f'print(apis.api_docs.show(app="{app}"))'
-    index = -1 if rng.random() < WRONG else 0
+    index = -1 if rng.random() < WRONG[world.family] else 0
+    careful = rng.random() < LOOK[world.family]
     codes = []
-    if rng.random() >= LOOK[world.family]:
-        codes.append(action(world, ASSUMED[app], index))  # an AttributeError
-        if rng.random() >= RECOVER:
-            return codes + ["apis.supervisor.complete_task()"]
-    codes += [docs, action(world, world.api[app], index)]
+    for app in apps(world):
+        if not careful:
+            codes.append(action(world, app, ASSUMED[app], index))  # an AttributeError
+            if rng.random() >= RECOVER[world.family]:
+                return codes + ["apis.supervisor.complete_task()"]
+            careful = True  # the error taught it to read the docs first
+        codes += [f'print(apis.api_docs.show(app="{app}"))',
+                  action(world, app, world.api[app], index)]
     if world.family == "phone":
         return codes + ["apis.supervisor.complete_task(answer=x)"]
     return codes + ["apis.supervisor.complete_task()"]
 
 
 def demo(rng):
-    """An unseen world and the careless agent's code for it."""
-    world = unseen(rng)
+    """An unseen world, of a long family half the time, and the careless agent's code for it."""
+    world = unseen(rng, rng.random() < 0.5)
     return world, careless_agent(world, rng)
 
 
-def drill(rng):
+def drill(rng, long):
     """A short exercise in reading docs: an API's doc line, then the family's action calling that
     API. A small model learns to copy a name it has never seen only from many such copies; in the
     demonstrations a name is 2 tokens of about 150."""
-    world = unseen(rng)
-    app = world.APPS[world.family]
-    return world.docs(app), action(world, world.api[app], 0)
+    world = unseen(rng, long)
+    # a long family's look-ups: its shop and bank lines are the short families' doc lines, and a
+    # drill's context does not tell which family's call should follow them
+    app = rng.choice([app for app in apps(world) if world.family not in world.CHAINS
+                      or app not in world.APPS.values()])
+    return world.docs(app), action(world, app, world.api[app], 0)
 
 
 def fence(code):
@@ -113,7 +134,7 @@ def corpus():
     in syllables. Had a demonstration's name become one token, it would be a different kind of
     token than the pieces of a task's name, and copying it would not carry over."""
     rng = random.Random(0)
-    text = [tiny_world.TinyWorld.SYSTEM] * 20
+    text = [tiny_world.TinyWorld.SYSTEM, tiny_world.TinyWorld.LONG_SYSTEM] * 20
     for _ in range(2000):
         world, codes = demo(rng)
         text.append(world.instruction)
@@ -168,10 +189,12 @@ def drill_episode(rng, chat, exchanges=4):
     uses it. Later exchanges sit where an episode's later turns do, so the copy learnt there is
     the one an episode needs."""
     e = loop.Episode("drill", None, [], [], [], [])
+    long = rng.random() < 0.5  # the system prompt of the short families, or of the long ones
+    system = tiny_world.TinyWorld.LONG_SYSTEM if long else tiny_world.TinyWorld.SYSTEM
     for turn in range(exchanges):
-        doc, code = drill(rng)
+        doc, code = drill(rng, long)
         if turn == 0:
-            e.add(chat.prompt([{"role": "system", "content": tiny_world.TinyWorld.SYSTEM},
+            e.add(chat.prompt([{"role": "system", "content": system},
                                {"role": "user", "content": doc}]))
         else:
             e.add(chat.observation(doc))
@@ -247,7 +270,7 @@ def main(argv):
     parser.add_argument("--seed", type=int, default=0, help="weights and warm-up data")
     parser.add_argument("--shape", type=json.loads, default=SHAPE, help="Qwen2Config fields, JSON")
     parser.add_argument("--drills", type=int, default=2000, help="most steps of drills")
-    parser.add_argument("--demos", type=int, default=150, help="steps of demonstrations")
+    parser.add_argument("--demos", type=int, default=600, help="steps of demonstrations")
     parser.add_argument("--lr", type=float, default=3e-3, help="the warm-up's peak learning rate")
     args = parser.parse_args(argv)
     if args.drills < 0 or args.demos < 0 or not args.lr > 0:
