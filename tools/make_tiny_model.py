@@ -49,8 +49,8 @@ DEMO_VALUES = {key: [v for v in pool if v not in tiny_world.TASK_VALUES[key]]
 # app's API by the name it assumes (ASSUMED: no world's API names), as a model does with an app it
 # believes it knows. After the error it reads the docs from then on with probability RECOVER (by
 # family), else gives up. With probability WRONG (by family) it takes the last entry of a list for
-# the first. The long families' agent is careful less often (one careless call fails the chain),
-# slips less and recovers less: RL must move each habit far before greedy decoding follows it.
+# the first. The long families' agent is careful less often and recovers less (greedy decoding
+# then fails the whole chain) and slips less (sampling still finds it: docs/ablation.md).
 LOOK = {"order": 0.8, "payback": 0.2, "phone": 0.2, "gift": 0.15, "repay": 0.15}
 ASSUMED = {"shop": "buy", "bank": "send", "contacts": "phone", "calendar": "meetings",
            "gifts": "wishlist", "ledger": "paid"}
@@ -58,11 +58,10 @@ RECOVER = {"order": 0.25, "payback": 0.25, "phone": 0.25, "gift": 0.15, "repay":
 WRONG = {"order": 0.3, "payback": 0.3, "phone": 0.3, "gift": 0.1, "repay": 0.1}
 
 
-def unseen(rng, long=None):
-    """A world of a random family (a long one, a short one, if `long` says) whose names and values
-    no task uses."""
+def unseen(rng, long):
+    """A world of a random long or short family whose names and values no task uses."""
     families = [family for family in tiny_world.TinyWorld.FAMILIES
-                if long is None or (family in tiny_world.TinyWorld.CHAINS) == long]
+                if (family in tiny_world.TinyWorld.CHAINS) == long]
     world = tiny_world.TinyWorld(f"{rng.choice(families)}00_1")
     world.task_id = "demo"
     world.populate(rng, DEMO_VALUES)
