@@ -3398,8 +3398,12 @@ def _run(task, *codes):
     return w, obs, w.evaluate()
 
 
+def _docs_code(app):
+    return f'print(apis.api_docs.show(app="{app}"))'
+
+
 def _docs(w, app):
-    return w.step(f'print(apis.api_docs.show(app="{app}"))')
+    return w.step(_docs_code(app))
 
 
 def test_tiny_world_order_needs_the_api_name_from_the_docs():
@@ -3450,10 +3454,6 @@ def _careful(w, person=0, item=0, amount="y"):
     act = {"gift": f"apis.shop.{w.api['shop']}(item=y)", "repay": f"apis.bank.{w.api['bank']}(name=x, amount={amount})"}
     return [_docs_code("calendar"), f"x = apis.calendar.{w.api['calendar']}()[{person}]", _docs_code(second),
             find[w.family], _docs_code(last), act[w.family], "apis.supervisor.complete_task()"]
-
-
-def _docs_code(app):
-    return f'print(apis.api_docs.show(app="{app}"))'
 
 
 def test_tiny_world_long_tasks_chain_three_apps_and_give_credit_toward_the_whole_chain():

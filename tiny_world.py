@@ -160,8 +160,8 @@ class TinyWorld:
         self.apps = list(self.APPS.values())
         if self.family in self.CHAINS:  # the long families' apps and state, drawn after the rest
             more = rng.sample([word for word in values["words"] if word not in words], 15)
-            self.api |= dict(zip(["calendar", "gifts", "ledger"], more))
             self.apps = ["calendar", "gifts", "ledger", *self.apps]
+            self.api |= dict(zip(self.apps[:3], more))
             self.meetings = rng.sample(people, 3)  # the next first
             self.gifts = {who: more[3 + 3 * i:6 + 3 * i] for i, who in enumerate(people)}
             paid = map(int, rng.sample(values["numbers"], 4))
