@@ -1,7 +1,7 @@
 """The paper's Table 1 ablation in miniature: five variants of the objective on the tiny world.
 
     # long tasks (long-test), off-policy updates: 8 tasks x 6 rollouts in minibatches of 4
-    python tools/ablation.py --seeds 0 1 2 3 4 --iterations 40 --config tools/ablation_long.json \
+    python tools/ablation.py --seeds 0 1 2 3 4 --iterations 30 --config tools/ablation_long.json \
         --out runs/ablation-long
     # where learning is not saturated: 2 tasks x 6 rollouts an iteration at lr 1.5e-5
     python tools/ablation.py --seeds 0 1 2 3 4 --iterations 45 --config tools/ablation_hard.json \
