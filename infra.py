@@ -4,6 +4,8 @@ FSDP2, the log-prob head, checkpoints, the log, the run directory. It never impo
 and the World are passed in). Read infra.RANK, WORLD and DEVICE late: start_distributed sets them.
 """
 import argparse
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import faulthandler
@@ -15,6 +17,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pathlib
 import shlex
@@ -24,12 +27,16 @@ import socket
 import sys
 import threading
 import time
+import unittest.mock
 import urllib.parse
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as sd
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
@@ -43,8 +50,12 @@ RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by s
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
 
 def die(message):
-    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
+    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback (torchrun
+    exits 1 for any rank that fails, and its report names this line as the root cause)."""
     print(f"error: {message}", file=sys.stderr)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # what its report gives as the cause
+        error = {"message": f"error: {message}", "timestamp": int(time.time())}
+        pathlib.Path(path).write_text(json.dumps(error))
     sys.exit(2)
 
 def say(text):
@@ -52,10 +63,11 @@ def say(text):
         tqdm.write(text, file=sys.stderr)
 
 class Console:
-    """stdout or stderr, whose reader may go away (| head, a closed terminal): then /dev/null."""
+    """stdout or stderr, whose reader may go away (| head, a closed terminal): then /dev/null;
+    one closed from the start (`>&-`: None) is /dev/null from the start."""
 
-    def __init__(self, stream):
-        self.stream = stream.stream if isinstance(stream, Console) else stream
+    def __init__(self, stream):  # (a Console's own stream: Console(Console(x)) is Console(x))
+        self.stream = getattr(stream, "stream", stream) or open(os.devnull, "w")
 
     def __getattr__(self, name):  # write and flush guarded, the rest the stream's
         value = getattr(self.stream, name)
@@ -86,7 +98,7 @@ def parse_config(Config, argv, description):
     if args.resume and not os.path.isfile(os.path.join(args.resume, "config.json")):
         die(f"{args.resume} is not a run directory (it has no config.json): give the --out of "
             "the run to continue")
-    if args.resume and (busy := hold(args.resume)):  # one trainer a run, before any reading
+    if args.resume and not args.help and (busy := hold(args.resume)):  # one trainer a run
         die(busy)
     files = [TINY_CONFIG] * args.tiny + [args.config] * bool(args.config)
     if args.resume:
@@ -115,7 +127,8 @@ def settings_parser(Config, shown=None, where="", description=None):
     parser.error = lambda message: die(f"{where}{message} (see --help)")  # no usage lines
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit "
                         "(with the values the run would use: --tiny's, --config's, the flags')")
-    parser.add_argument("--config", help="JSON file of settings (over --tiny's if both are given)")
+    parser.add_argument("--config", type=os.path.expanduser,
+                        help="JSON file of settings (over --tiny's if both are given)")
     parser.add_argument("--tiny", action="store_true", help="the settings of tiny_config.json")
     for f in dataclasses.fields(Config):
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {
@@ -150,11 +163,8 @@ def checked(f):
     return convert
 
 def check_resume(args, saved):
-    """What a resume cannot change: the checkpoint's weights, where the run is, that it trains."""
-    for key in ("model", "lora"):
-        if getattr(args, key) not in (None, getattr(saved, key)):
-            die(f"--{key} cannot change when resuming: {args.resume}'s checkpoint holds the "
-                f"weights of {key} = {getattr(saved, key)!r}; start a new run for another")
+    """What a resume cannot change: where the run is, that it trains (its checkpoint's model and
+    objective: last_checkpoint)."""
     if args.out is not None and os.path.abspath(args.out) != os.path.abspath(args.resume):
         die(f"--out cannot change when resuming: the run goes on in {args.resume}")
     if saved.eval:
@@ -166,9 +176,9 @@ def check_resume(args, saved):
 def read_settings(path, Config, run=""):
     """A JSON object of settings as flags, each checked here (a mistake names the file and key);
     `run`: the run directory whose config.json it is."""
-    if why := unreadable(path, run):
+    values, why = read_json(path, run)
+    if why:
         die(why)
-    values = json.loads(pathlib.Path(path).read_text())
     if not isinstance(values, dict):
         die(f"config {path} must hold one JSON object of settings")
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), str(values.get("model", "")))
@@ -185,21 +195,22 @@ def read_settings(path, Config, run=""):
         if switch != isinstance(value, bool):  # a bool is a switch (--lora, --no-lora)
             die(f"{key!r} in {path} must be {kinds[Config.__annotations__[key]]}, not "
                 f"{json.dumps(value)}")
-        text = (flag(key) if value else flag("no_" + key)) if switch else f"{flag(key)}={value}"
+        text = as_flag(key, value)
         settings_parser(Config, where=f"{key!r} in {path}: ").parse_args([text])  # its own line
         flags.append(text)
     return flags
 
-def unreadable(path, run=""):
-    """Why a settings file (`run`'s config.json) cannot be read, and what to do; else None."""
+def read_json(path, run=""):
+    """A settings file's JSON and None, or None and why it cannot be read, what to do (`run`: the
+    run whose config.json it is)."""
     try:
-        json.loads(pathlib.Path(path).read_text())
-        return None
+        return json.loads(pathlib.Path(path).read_text()), None
     except (OSError, ValueError) as e:  # (JSON's errors and UnicodeDecodeError are ValueErrors)
         empty = isinstance(e, json.JSONDecodeError) and not e.doc.strip()
         why = f"config {path} is empty" if empty else f"cannot read config {path}: {first_line(e)}"
-    return why + (f": the settings of the run in {run} are lost (its start failed, a full disk, "
-                  f"say): mend the file, or delete {run} and start the run again" if run else "")
+    lost = (f": the settings of the run in {run} are lost (its start failed, a full disk, say): "
+            f"mend the file, or delete {run} and start the run again")
+    return None, why + (lost if run else "")
 
 # Worlds: a forker's module:Class, its tasks
 def import_world(name, builtin):
@@ -235,9 +246,8 @@ def tasks_of(World, split):
     if not (isinstance(tasks, list) and tasks and all(isinstance(t, str) for t in tasks)):
         die(f"{name}.tasks({split!r}) must return a non-empty list of task ids (str), not "
             f"{str(tasks)[:60]}")
-    if len(set(tasks)) < len(tasks):
-        twice = next(t for t in tasks if tasks.count(t) > 1)
-        die(f"{name}.tasks({split!r}) names task {twice!r} more than once")
+    if twice := [t for t, n in collections.Counter(tasks).items() if n > 1]:
+        die(f"{name}.tasks({split!r}) names task {twice[0]!r} more than once")
     return tasks
 
 def splits(World, cfg):
@@ -360,18 +370,6 @@ def preloads(World):
             "modules every worker imports (names, str)")
     return names
 
-def start_forkserver():
-    """The forkserver imports its preloads on its own sys.path: PYTHONPATH is the trainer's."""
-    import multiprocessing.forkserver
-    path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:  # the trainer's own environment as it was
-        del os.environ["PYTHONPATH"]
-        if path is not None:
-            os.environ["PYTHONPATH"] = path
-
 class Hosted:
     """A World in a worker process, its methods with deadlines: one that dies, hangs (killed) or
     answers what the interface does not allow fails its episode (`error` says why)."""
@@ -406,9 +404,11 @@ class Hosted:
         ctx = multiprocessing.get_context("forkserver")
         with Hosted.idle_lock:  # the first world's thread starts the forkserver for all
             if not Hosted.forkserver_started:
-                preload = ["loop", self.World.__module__, *preloads(self.World)]
-                ctx.set_forkserver_preload(preload)
-                start_forkserver()
+                ctx.set_forkserver_preload(["loop", self.World.__module__, *preloads(self.World)])
+                # which imports them on its own sys.path: PYTHONPATH the trainer's, for the while
+                path = os.pathsep.join(filter(None, sys.path))
+                with unittest.mock.patch.dict(os.environ, PYTHONPATH=path):
+                    multiprocessing.forkserver.ensure_running()
                 Hosted.forkserver_started = True
         conn, child = ctx.Pipe()
         worker = ctx.Process(target=serve, args=(child,), daemon=True)
@@ -486,23 +486,13 @@ class Hosted:
             self.worker.kill()
 
 def concurrently(calls):
-    """The calls at once, in daemon threads: a hung world holds up no other, nor Ctrl-C."""
-    results, errors = [None] * len(calls), []
-
-    def call(i):
-        try:
-            results[i] = calls[i]()
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
+    """The calls at once, a thread each: a hung world holds up no other. Ctrl-C leaves them to
+    their deadlines (a rollout's worlds are closed then, which ends them at once)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max(len(calls), 1))
+    try:
+        return list(pool.map(lambda call: call(), calls))
+    finally:
+        pool.shutdown(wait=False)
 
 def stop_if_every_world_failed(episodes, what):
     """A run whose every world fails would train on nothing for hours: it stops (exit code 1)."""
@@ -694,8 +684,6 @@ def all_reduce(values, op=dist.ReduceOp.SUM):
 
 def shard(model, cfg, layer_names):
     """FSDP2: each rank keeps 1/G of every tensor, sent by rank 0 (the others' are on meta)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     weights = model.state_dict() if RANK == 0 else {}
     policy = MixedPrecisionPolicy()
     if cfg.bf16:
@@ -710,8 +698,8 @@ def shard(model, cfg, layer_names):
         model.to_empty(device=DEVICE)
     else:
         model.to(DEVICE)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, weights, options=options)
+    options = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    sd.set_model_state_dict(model, weights, options=options)
     for buffer in model.buffers():  # buffers in no state dict (RoPE's inv_freq): rank 0's
         dist.broadcast(buffer, src=0)
 
@@ -719,11 +707,10 @@ def shard(model, cfg, layer_names):
 def playing(model, worlds, cfg, desc):
     """A rollout's bar; with --rollout-full-weights FSDP's layers gathered to its end (no all-gather
     per token, more memory); on an error (Ctrl-C, out of memory) its worlds closed."""
-    from torch.distributed.fsdp import FSDPModule
     bar = tqdm(desc=desc, leave=False, disable=True if RANK else None)
-    layers = []  # the FSDP modules but the root, which FSDP keeps gathered after its forward
-    if cfg.rollout_full_weights:
-        layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
+    # the FSDP modules but the root, which FSDP keeps gathered after its forward
+    layers = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]
+    layers *= cfg.rollout_full_weights
     for layer in layers:
         layer.set_reshard_after_forward(False, recurse=False)
     try:
@@ -811,20 +798,22 @@ def check_kv_cache(cfg, model, wave):
 # torch.distributed.checkpoint, one shard per rank, loadable by any number of ranks; the final model
 def train_state(model, opt, optimizer):
     """Trainable weights by name, and the optimizer's state tensors by name if asked for."""
-    import torch.distributed.checkpoint.state_dict as sd
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     weights = {k: v for k, v in sd.get_model_state_dict(model).items() if k in names}
     return {"model": weights, "optim": sd.get_optimizer_state_dict(model, opt) if optimizer else {}}
 
-def save_checkpoint(run_dir, model, opt, iteration):
-    """Written to checkpoint.tmp, then put in place. No RNG state: iterations seed themselves."""
-    import torch.distributed.checkpoint as dcp
+OBJECTIVE = ("model", "lora", "ratio", "normalize_rewards")  # what a checkpoint's weights are
+
+def save_checkpoint(run_dir, model, opt, iteration, cfg):
+    """Written to checkpoint.tmp, then put in place, with the objective it was trained for (a
+    resume keeps it). No RNG state: iterations seed themselves."""
     path = os.path.join(run_dir, "checkpoint")
     if RANK == 0:
         shutil.rmtree(path + ".tmp", ignore_errors=True)
     # a stateless AdamW (no step yet) saves none: get_state_dict would add a step 0 AdamW counts
     state = train_state(model, opt, optimizer=bool(opt.state))
-    dcp.save(state | {"iteration": iteration}, checkpoint_id=path + ".tmp")  # all ranks
+    objective = json.dumps({key: getattr(cfg, key) for key in OBJECTIVE})
+    dcp.save(state | {"iteration": iteration, "objective": objective}, checkpoint_id=path + ".tmp")
     if RANK == 0:  # (the next save's collectives keep the other ranks from writing before this)
         put_in_place(path)
 
@@ -837,32 +826,40 @@ def put_in_place(path):
     os.replace(path + ".tmp", path)
     shutil.rmtree(path + ".old", ignore_errors=True)
 
-def last_checkpoint(run_dir):
-    """The newest complete checkpoint of a run and its iteration; (None, 0) if it has none."""
-    import torch.distributed.checkpoint as dcp
+def last_checkpoint(run_dir, cfg):
+    """The newest complete checkpoint of a run and its iteration; (None, 0) if it has none. A
+    resume that would train it from another model or for another objective stops here."""
     paths = [os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.old")]
     paths = [p for p in paths if os.path.isdir(p)]
     if not paths:
         return None, 0
-    state = {"iteration": 0}
-    with reading_checkpoint(paths[0]):
-        dcp.FileSystemReader(paths[0]).read_metadata()  # (damaged: DCP logs tracebacks of its own)
-        dcp.load(state, checkpoint_id=paths[0])  # that value alone: no tensor is read
+    state = {"iteration": 0, "objective": "{}"}
+    with reading_checkpoint(paths[0], cfg.model):
+        saved = dcp.FileSystemReader(paths[0]).read_metadata().state_dict_metadata  # (damaged:
+        state = {key: value for key, value in state.items() if key in saved}  # DCP's tracebacks)
+        dcp.load(state, checkpoint_id=paths[0])  # those values alone: no tensor is read
+    for key, value in json.loads(state.get("objective", "{}")).items():
+        if getattr(cfg, key) != value:
+            die(f"{flag(key)} cannot change when resuming: {run_dir}'s checkpoint was trained with "
+                f"{key} = {value!r}: start a new run for another")
     return paths[0], state["iteration"]
 
 @contextlib.contextmanager
-def reading_checkpoint(path):
-    """A checkpoint that cannot be read: one line naming its damaged file, and what to do."""
-    import torch.distributed.checkpoint as dcp
+def reading_checkpoint(path, model):
+    """A checkpoint that cannot be read: one line naming its damaged file, or else DCP's reason (a
+    checkpoint of another `model`: the weight whose shape differs), and what to do."""
     try:
         yield
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - (DCP's: BaseException)
-        die(f"{damaged_file(path, e)}: restore it, or delete {path} and --resume starts the run "
-            "again from iteration 0")
+        if damaged := damaged_file(path, e):
+            die(f"{damaged}: restore it, or delete {path} and --resume starts the run again from "
+                "iteration 0")
+        cause = next(iter(getattr(e, "failures", {}).values()), [e])[0]  # DCP's: each rank's
+        die(f"checkpoint {path} cannot be read into model {model} ({first_line(cause)}): its files "
+            "are whole; resume with the model the run began from")
 
 def damaged_file(path, error):
-    """Which file of a checkpoint is damaged: .metadata, or a shard shorter than it says."""
-    import torch.distributed.checkpoint as dcp
+    """Which file of a checkpoint is damaged: .metadata, or a shard shorter than it says; None."""
     try:
         stored = dcp.FileSystemReader(path).read_metadata().storage_data.values()
     except Exception:  # noqa: BLE001 - a cut pickle
@@ -871,13 +868,11 @@ def damaged_file(path, error):
         shard = os.path.join(path, item.relative_path)
         if not os.path.isfile(shard) or os.path.getsize(shard) < item.offset + item.length:
             return f"{shard} is missing or cut short"
-    return f"checkpoint {path} cannot be read ({first_line(error)})"
+    return None
 
 def load_checkpoint(path, model, opt, cfg):
     """Trainable weights and AdamW's state, then the settings' lr and weight decay (said if new)."""
-    import torch.distributed.checkpoint as dcp
-    import torch.distributed.checkpoint.state_dict as sd
-    with reading_checkpoint(path):
+    with reading_checkpoint(path, cfg.model):
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         stepped = any(key.startswith("optim.") for key in saved)  # else a fresh AdamW is its state
         state = train_state(model, opt, optimizer=stepped)
@@ -896,9 +891,8 @@ def load_checkpoint(path, model, opt, cfg):
 def save_model(run_dir, model, tok, iteration):
     """The weights (or the LoRA adapter) and the tokenizer, and trained.json (the iterations, which
     --eval reports), written to model.tmp and renamed: model/ is complete or absent."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)  # every rank: it gathers the shards
+    options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = sd.get_model_state_dict(model, options=options)  # every rank: it gathers the shards
     if RANK == 0:
         path = os.path.join(run_dir, "model")
         shutil.rmtree(path + ".tmp", ignore_errors=True)  # what a kill may have left
@@ -931,6 +925,8 @@ def read_metrics(path):
     lines = text.splitlines()
     rows = []
     for n, line in enumerate(lines, 1):
+        if not line.strip():  # an editor's blank line
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -1021,18 +1017,16 @@ class Run:
     line (exit code 130), that of a run whose worlds all failed (exit code 1), the teardown."""
 
     def __init__(self, cfg, World):
-        self.cfg, self.World, self.bar = cfg, World, None
+        self.cfg, self.World, self.bar = cfg, World, tqdm(disable=True)  # (progress's, if it comes)
 
     def __enter__(self):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1-process DCP
         if self.cfg.fsdp:
             start_distributed()
         self.dir, self.made = (self.cfg.resume, []) if self.cfg.resume else claim(self.cfg)
-        self.checkpoint, self.begin = last_checkpoint(self.dir) if self.cfg.resume else (None, 0)
-        self.rows = []  # a resume's rows up to its checkpoint (rank 0's), read before any work
-        if self.cfg.resume and RANK == 0:
-            rows = read_metrics(os.path.join(self.dir, "metrics.jsonl"))
-            self.rows = [row for row in rows if row["iteration"] <= self.begin]
+        self.checkpoint, self.begin = last_checkpoint(self.dir, self.cfg)  # (a fresh run: none)
+        rows = read_metrics(os.path.join(self.dir, "metrics.jsonl"))  # a resume's, before any work
+        self.rows = [row for row in rows if row["iteration"] <= self.begin]  # (a fresh run: none)
         # a console that goes away (| head, a closed terminal) drops its lines; the run goes on
         sys.stdout, sys.stderr = Console(sys.stdout), Console(sys.stderr)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -1051,15 +1045,14 @@ class Run:
             unclaim(self.dir, self.made, self.cfg.resume)
             raise
         cfg, metrics, rows = self.cfg, os.path.join(self.dir, "metrics.jsonl"), self.rows
-        if RANK == 0:
+        if RANK == 0:  # a resume's rows up to the checkpoint: none twice, no cut line
             write_atomically(os.path.join(self.dir, "config.json"), settings_text(cfg, self.dir))
+            write_atomically(metrics, "".join(json.dumps(r) + "\n" for r in rows))
         if cfg.resume:
             say(f"resuming {self.dir} from iteration {self.begin}" if self.checkpoint else
                 f"starting {self.dir} again from iteration 0 (no checkpoint yet)")
         else:
             say(f"writing to {self.dir}")
-        if cfg.resume and RANK == 0:  # the rows up to the checkpoint: none twice, no cut line
-            write_atomically(metrics, "".join(json.dumps(r) + "\n" for r in rows))
         # a run killed before its first checkpoint keeps its iteration-0 evaluation, if logged
         self.evaluated_at_0 = all_reduce([any("split" in r for r in rows)], dist.ReduceOp.MAX)[0]
         redone = 1 + max((r["iteration"] for r in rows), default=-1)  # trackers redo what follows
@@ -1086,8 +1079,7 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         release(self.dir)  # (under FSDP the others wait for rank 0 below)
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
         if kind is KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
             sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
             started = os.path.exists(os.path.join(self.dir, "config.json"))
@@ -1138,7 +1130,7 @@ def take(cfg, run_dir, made):
         return why
     finally:
         if not done:
-            release(run_dir, delete=True)
+            release(run_dir)
             remove_empty(made)
 
 def taken_by(run_dir, model):
@@ -1147,7 +1139,7 @@ def taken_by(run_dir, model):
     if os.path.isdir(weights) and os.path.commonpath([out, weights]) == out:
         return f"--out {run_dir} holds the model the run starts from ({model}): give another --out"
     config = os.path.join(run_dir, "config.json")
-    if os.path.isfile(config) and (why := unreadable(config, run_dir)):
+    if os.path.isfile(config) and (why := read_json(config, run_dir)[1]):
         return why
     if os.path.isfile(config):
         return in_use(run_dir) or (f"{run_dir} already holds a run: continue it with --resume "
@@ -1157,22 +1149,23 @@ def taken_by(run_dir, model):
                 "that folder, or give another --out")
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         return f"--out {run_dir} is a file: give a new or empty folder"
-    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) - {"lock"}:
+    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) - {"trainer"}:
         return (f"--out {run_dir} holds files and no run (no config.json): give a new or empty "
                 "folder (a run never writes over what is there)")
     return None
 
-# One trainer a run directory, for its whole life: a lock that the system lets go at any death.
-# The file locked must be the one in place: a fresh start that failed deletes it.
-HELD = {}  # the run directories this process holds: real path -> its open lock file
+# One trainer a run directory, for its whole life: a lock on the folder itself (no file in it, that
+# a user could delete), which the system lets go at any death. RUN/trainer says who holds it.
+HELD = {}  # the run directories this process holds: real path -> the folder, open
+HOST = socket.gethostname()
 
 def hold(run_dir):
     """Lock run_dir for this process (rank 0, for all ranks) until release(); else who holds it."""
-    key, path = os.path.realpath(run_dir), os.path.join(run_dir, "lock")
+    key = os.path.realpath(run_dir)
     while key not in HELD and os.environ.get("RANK", "0") == "0":
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # a read-only folder, say
+            fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:  # removed meanwhile by a fresh start that failed, say
             return f"cannot lock the run directory {run_dir}: {first_line(e)}"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1182,28 +1175,32 @@ def hold(run_dir):
         except OSError as e:  # a file system without locks (some network ones)
             say(f"note: cannot lock {run_dir} ({e.strerror}): see that no other trainer uses it")
         HELD[key] = fd
-        if not os.fstat(fd).st_nlink:  # deleted meanwhile (a fresh start that failed): again
+        with contextlib.suppress(OSError):  # who holds it, for in_use() to say
+            pathlib.Path(run_dir, "trainer").write_text(f"process {os.getpid()} on {HOST}")
+        if not os.fstat(fd).st_nlink:  # removed meanwhile (a fresh start that failed): again
             release(run_dir)
-    with contextlib.suppress(KeyError, OSError):  # who holds it, for in_use() to say
-        os.ftruncate(HELD[key], 0)
-        os.write(HELD[key], f"process {os.getpid()} on {socket.gethostname()}".encode())
     return None
 
 def in_use(run_dir):
     """Which trainer holds run_dir, in one line; None if none does (nothing is changed)."""
-    with contextlib.suppress(OSError), open(os.path.join(run_dir, "lock")) as fh:  # (no lock file)
+    with contextlib.suppress(OSError):
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let go of as the file closes
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let go of as it closes
         except BlockingIOError:
-            return (f"{run_dir} is in use by {fh.read(200) or 'another process'}, a trainer of "
+            holder = "another process"
+            with contextlib.suppress(OSError):
+                holder = pathlib.Path(run_dir, "trainer").read_text()[:200] or holder
+            return (f"{run_dir} is in use by {holder}, a trainer of "
                     "this run: wait for it to end, or stop it first (one trainer a run)")
+        finally:
+            os.close(fd)
     return None
 
-def release(run_dir, delete=False):
-    """Let go of run_dir's lock, if this process holds it; `delete`: a fresh start failed."""
+def release(run_dir):
+    """Let go of run_dir's lock, if this process holds it, and RUN/trainer with it."""
     if os.path.realpath(run_dir) in HELD:
-        if delete:
-            os.remove(os.path.join(run_dir, "lock"))
+        pathlib.Path(run_dir, "trainer").unlink(missing_ok=True)
         os.close(HELD.pop(os.path.realpath(run_dir)))
 
 def default_out(cfg):
@@ -1222,7 +1219,7 @@ def unclaim(run_dir, made, resumed):
         return
     if not resumed:
         os.remove(os.path.join(run_dir, "config.json"))
-    release(run_dir, delete=not resumed)
+    release(run_dir)
     remove_empty(made)
 
 def remove_empty(folders):
@@ -1239,13 +1236,19 @@ def settings_text(cfg, run_dir):
     del settings["resume"]  # not a setting of the run: how it was started
     return json.dumps(settings, indent=1)
 
+EVALUATION = ["split", "eval_max_turns", "eval_temperature", "max_new_tokens", "max_context",
+              "max_obs_tokens", "code_timeout", "batch_episodes", "bf16"]  # what it depends on
+
 def next_steps(cfg, World, run_dir):
-    """The commands that look at a finished run; the tools name a registered world module:Class."""
+    """The commands that look at a finished run, evaluating as it did (its settings, where they are
+    not the command's own); the tools name a registered world module:Class."""
     model = os.path.join(run_dir, "model")
 
     def flags(env):  # the tiny world's settings are --tiny's
-        split = ["--split", cfg.split] * (cfg.split != type(cfg).split)
-        return (["--tiny"] if env == "tiny" else ["--env", env] + ["--bf16"] * cfg.bf16) + split
+        base = ["--tiny"] if env == "tiny" else ["--env", env]
+        own = parse_config(type(cfg), base + ["--eval", "--model", model], None)
+        return base + [as_flag(key, getattr(cfg, key)) for key in EVALUATION
+                       if getattr(cfg, key) != getattr(own, key)]
 
     named = f"{World.__module__}:{World.__qualname__}" if registered(cfg) else cfg.env
     steps = [["python", ours("tools/plot.py"), run_dir],
@@ -1255,6 +1258,11 @@ def next_steps(cfg, World, run_dir):
         steps.append(["python", ours("tools/play.py"), *flags(named), "--model", model, "--task",
                       task])
     return "\n".join("  " + shell(*step) for step in steps)
+
+def as_flag(key, value):
+    """A setting as its flag's one word (--lr=-1: a value, not a flag)."""
+    switch = flag(key) if value else flag("no_" + key)  # a bool: --lora, --no-lora
+    return switch if isinstance(value, bool) else f"{flag(key)}={value}"
 
 def launcher(cfg):
     """How a printed command starts a run: loop.py (whichever script called main), or the script

@@ -525,7 +525,7 @@ def main(argv=None):
                     run.log(train_iteration(model, opt, chat, cfg, train_tasks, iteration))
                     if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
                         run.log(evaluate(model, chat, cfg, cfg.split, iteration, run.dir))
-                    infra.save_checkpoint(run.dir, model, opt, iteration)
+                    infra.save_checkpoint(run.dir, model, opt, iteration, cfg)
         run.finish(model, tok)  # model/ (none after an evaluation or 0 iterations), what next
 
 def start(cfg, World, checkpoint):

@@ -2,6 +2,7 @@
 world, config errors and an end-to-end smoke run. All offline; run with `python -m pytest -q`."""
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -1404,7 +1405,7 @@ def _fsdp_worker(out):
     result["gathers"] = _count_all_gathers_in_rollouts()
     result["full"], model, opt = _update_once(False, fsdp=True)
     folder = os.path.dirname(out)
-    infra.save_checkpoint(folder, model, opt, 1)
+    infra.save_checkpoint(folder, model, opt, 1, loop.parse_config(UPDATE_FLAGS))
     full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"model": full[0], "optim": full[1]}, os.path.join(folder, "full_state.pt"))
@@ -1484,7 +1485,7 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
         assert torch.allclose(saved["model"][name], p, atol=1e-6), name
     # The 2-rank checkpoint loads in one process: weights and AdamW state within 1e-6.
     cfg, fresh, _, opt = _model_and_adamw(False)
-    path, iteration = infra.last_checkpoint(str(tmp_path))
+    path, iteration = infra.last_checkpoint(str(tmp_path), cfg)
     infra.load_checkpoint(path, fresh, opt, cfg)
     assert iteration == 1
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -1753,14 +1754,18 @@ def test_appworld_eval_agrees_with_appworld_evaluate(appworld_root, tmp_path, mo
 
 # ---------------- 7. Main (Algorithm 1): whole runs, a new environment, Ctrl-C, worlds that fail, a failing rank
 def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_printed(tmp_path, capsys):
-    """...and the commands it prints are quoted for a shell: its directory's name has a space and a quote."""
+    """...with the run's own evaluation settings (here 2 turns, not --tiny's 5): the printed
+    evaluation and play.py's line give the run's numbers. The commands are quoted for a shell: its
+    directory's name has a space and a quote."""
     out = tmp_path / "Kofi's run"
-    loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--out", str(out)])
+    loop.main(["--tiny", "--iterations", "2", "--tasks-per-iteration", "4", "--eval-every", "1", "--eval-max-turns",
+               "2", "--out", str(out)])
     said = capsys.readouterr().err
     assert f"finished: {out} holds metrics.jsonl, transcripts/ and the trained model/. Next:" in said
     assert f"\n  python {os.path.join(HERE, 'tools', 'plot.py')} {shlex.quote(str(out))}\n" in said
-    assert f"tools/play.py --tiny --model {shlex.quote(str(out / 'model'))} --task order00_1" in said
-    suggested = shlex.split(next(line for line in said.splitlines() if "--eval" in line))
+    played = shlex.split(next(line for line in said.splitlines() if "tools/play.py" in line))
+    assert played[2:] == ["--tiny", "--eval-max-turns=2", "--model", str(out / "model"), "--task", "order00_1"]
+    suggested = shlex.split(next(line for line in said.splitlines() if "--eval " in line))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "reward_mean" in r and "split" not in r]
     evals = [r for r in rows if r.get("split") == "test"]
@@ -1782,7 +1787,9 @@ def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_pr
     text = fence(make_tiny_model.demo(random.Random(0))[1][0])
     assert Chat(tok).prompt(tiny_world.TinyWorld("order00_1").messages()) == Chat(shipped).prompt(tiny_world.TinyWorld("order00_1").messages())
     assert tok(text)["input_ids"] == shipped(text)["input_ids"]
-    assert suggested[2:] == ["--tiny", "--eval", "--model", str(out / "model")]
+    assert suggested[2:] == ["--tiny", "--eval-max-turns=2", "--eval", "--model", str(out / "model")]
+    play.main(played[2:])
+    assert capsys.readouterr().out.startswith(shown.split("\n\n=== ")[0])  # order00_1's episode, as the run played it
     loop.main(suggested[2:])  # written beside the run's own files, in RUN/eval-<split>
     assert f"writing to {out / 'eval-test'}" in capsys.readouterr().err
     again = json.loads((out / "eval-test" / "metrics.jsonl").read_text().splitlines()[0])
@@ -1845,9 +1852,11 @@ def test_a_new_environment_with_only_the_required_members_trains_as_module_colon
     train, final = [r for r in infra.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["iteration"] == 1]
     assert train["reward_mean"] > 0 and final["tasks"] == 4  # rollouts that earn reward
     assert not {"looked_first", "error_rate", "recovered"} & set(train)  # nothing it did not define
-    assert "tools/play.py --env sum_world:SumWorld --model run/model --task sum0_1" in r.stderr
-    r = _run_command([sys.executable, os.path.join(HERE, "tools", "play.py"), "--env", "sum_world:SumWorld",
-                      "--model", "run/model", "--task", "sum0_1"], timeout=300,
+    printed = shlex.split(next(line for line in r.stderr.splitlines() if "tools/play.py" in line))
+    assert printed[2:] == ["--env", "sum_world:SumWorld", "--eval-max-turns=2", "--max-new-tokens=64",
+                           "--max-context=1024", "--max-obs-tokens=64", "--code-timeout=1.0", "--batch-episodes=72",
+                           "--model", "run/model", "--task", "sum0_1"]  # --tiny's evaluation settings, by name
+    r = _run_command([sys.executable, *printed[1:]], timeout=300,
                      cwd=tmp_path)  # the tools take the world by the same name, from the same directory
     assert r.returncode == 0 and "=== sum0_1: " in r.stdout and "reward " in r.stdout, r.stderr[-2000:]
     r = _run_command([sys.executable, "my_world.py", *small, "--env", "sum", "--iterations", "0", "--out", "reg"],
@@ -2684,6 +2693,20 @@ def test_a_template_without_a_turn_end_or_no_template_stops_with_a_reason():
 
 
 # ---------------- infra.py: checkpoints, the log, the run directory: resume, kills at any moment, trackers
+@pytest.mark.parametrize("closed", [1, 2], ids=[">&-", "2>&-"])
+def test_a_run_started_with_a_console_closed_trains_to_its_end(tmp_path, closed):
+    """`python loop.py ... >&-` (or 2>&-): Python starts with that stream None. Before, the first
+    line written raised AttributeError (exit code 120; with 2>&- nothing said, the folder removed)."""
+    run = tmp_path / "run"
+    proc = _run_command([sys.executable, os.path.join(HERE, "loop.py"), *quick(), "--iterations", "1", "--out", str(run)],
+                        preexec_fn=functools.partial(os.close, closed), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(row["iteration"], "split" in row) for row in infra.read_metrics(run / "metrics.jsonl")] == [
+        (0, True), (1, False), (1, True)]
+    assert (run / "checkpoint").is_dir() and (run / "model" / "model.safetensors").exists()
+    assert sorted(os.listdir(run)) == ["checkpoint", "config.json", "metrics.jsonl", "model", "transcripts"]
+
+
 def _train_rows(run, keys=("iteration",)):
     rows = infra.read_metrics(run / "metrics.jsonl")
     return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows if "split" not in r]
@@ -2702,10 +2725,10 @@ def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows = [loop.train_iteration(model, opt, Chat(tok), cfg, tiny_world.TinyWorld.tasks("train"), it) for it in (1, 2)]
     assert sum(r["steps"] for r in rows) > 0 and opt.state
-    infra.save_checkpoint(str(tmp_path), model, opt, 2)
+    infra.save_checkpoint(str(tmp_path), model, opt, 2, cfg)
     fresh, _ = infra.load_model_and_tokenizer(cfg)  # the weights before training
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    path, iteration = infra.last_checkpoint(str(tmp_path))
+    path, iteration = infra.last_checkpoint(str(tmp_path), cfg)
     infra.load_checkpoint(path, fresh, fresh_opt, cfg)
     assert iteration == 2
     for (name, trained), loaded in zip(model.named_parameters(), fresh.parameters()):
@@ -2847,7 +2870,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_run_that_was_not_killed(unbro
             fh.write('{"iteration": 99, "reward_me')
     with warnings.catch_warnings():  # main() filters out DCP's one-process note; this test reads first
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        checkpoint, begin = infra.last_checkpoint(run)
+        checkpoint, begin = infra.last_checkpoint(run, loop.parse_config(["--tiny"]))
     loop.main(["--resume", str(run)])
     assert _logged(run) == rows, where  # every iteration once, with the unbroken run's numbers
     said = capsys.readouterr().err
@@ -2912,6 +2935,13 @@ def test_a_metrics_line_that_is_not_a_row_is_one_line_naming_it_and_never_droppe
         assert infra.read_metrics(run / "metrics.jsonl") == [json.loads(row) for row in rows]
 
 
+def test_blank_lines_in_a_metrics_file_are_no_rows(tmp_path):
+    """An editor's empty last line (or one between rows) is skipped, not called a broken row."""
+    rows = [{"iteration": 0, "split": "test", "tgc": 0.5}, {"iteration": 1, "kl": 0.1}]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n \n")
+    assert infra.read_metrics(tmp_path / "metrics.jsonl") == rows
+
+
 def test_each_iteration_samples_its_own_tasks_and_a_resumed_one_samples_the_same(tiny, monkeypatch):
     """The tasks of iteration i are drawn from (seed, i): iterations differ, and iteration 1 played
     again (as a resumed run plays it) draws what it drew; a task's K rollouts are side by side."""
@@ -2943,10 +2973,34 @@ def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_chan
                            (["--model", str(tmp_path / "other")], "--model cannot change when resuming"),
                            (["--iterations", "2", "--split", "nosuch"], "splits are train, test, long-train and long-test"),
                            (["--out", str(tmp_path / "elsewhere")], f"--out cannot change when resuming: the run goes on in {run}"),
-                           (["--eval"], f"--eval does not resume a run: evaluate its model with --eval --model {run}/model")]:
+                           (["--eval"], f"--eval does not resume a run: evaluate its model with --eval --model {run}/model"),
+                           (["--ratio", "turn"], f"--ratio cannot change when resuming: {run}'s checkpoint was trained "
+                                                 "with ratio = 'token': start a new run for another"),
+                           (["--normalize-rewards"], "--normalize-rewards cannot change when resuming: ")]:
         code, err = _error(capsys, "--resume", str(run), *flags)
         assert code == 2 and message in err
         assert (run / "config.json").read_text() == config  # rewritten only once a resume started
+    # config.json changed by hand, to another objective or model (the checkpoint records them)
+    for change, message in [({"ratio": "trajectory"}, "--ratio cannot change when resuming"),
+                            ({"model": str(tmp_path / "other")}, f"--model cannot change when resuming: {run}'s "
+                                                                 f"checkpoint was trained with model = {SHIPPED!r}")]:
+        (run / "config.json").write_text(json.dumps(json.loads(config) | change))
+        code, err = _error(capsys, "--resume", str(run), "--iterations", "2")
+        assert code == 2 and message in err, err
+    (run / "config.json").write_text(config)
+    # the run's model rebuilt in place since (as `git pull` did to assets/tiny-model): DCP's reason, not "delete it"
+    shutil.copytree(SHIPPED, tmp_path / "rebuilt")
+    loop.main([*quick(), "--model", str(tmp_path / "rebuilt"), "--iterations", "1", "--out", str(tmp_path / "run2")])
+    from transformers import AutoModelForCausalLM
+    rebuilt = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    rebuilt.resize_token_embeddings(rebuilt.config.vocab_size + 27, mean_resizing=False)
+    rebuilt.save_pretrained(tmp_path / "rebuilt")
+    capsys.readouterr()
+    code, err = _error(capsys, "--resume", str(tmp_path / "run2"), "--iterations", "2", loaded=True)
+    assert code == 2 and err == (f"error: checkpoint {tmp_path / 'run2' / 'checkpoint'} cannot be read into model "
+                                 f"{tmp_path / 'rebuilt'} (Size mismatch between saved torch.Size([625, 128]) and "
+                                 "current: torch.Size([652, 128]) for model.model.embed_tokens.weight): its files "
+                                 "are whole; resume with the model the run began from\n")
     rows = (evaluation / "metrics.jsonl").read_text()
     code, err = _error(capsys, "--resume", str(evaluation))  # it would evaluate again as iteration 0
     assert code == 2 and f"{evaluation} is an evaluation, not a training run: there is nothing to resume" in err
@@ -3148,6 +3202,14 @@ def test_one_trainer_holds_a_run_directory_from_its_claim_to_its_exit(tmp_path):
             assert other.returncode == 2 and err.startswith("error: ") and said in err, err
             assert len(err.strip().splitlines()) == 1, err
         assert _files(run) == before and os.listdir(tmp_path / "sweep") == ["token-0"]
+        # RUN/trainer deleted by hand (it only says who trains): the folder is still locked. --help reads.
+        (run / "trainer").unlink()
+        others += [started(sys.executable, loop_py, "--resume", str(run)),
+                   started(sys.executable, loop_py, "--resume", str(run), "--help")]
+        _, err = others[2].communicate(timeout=120)
+        assert others[2].returncode == 2 and f"{run} is in use by another process, a trainer of this run" in err, err
+        shown, _ = others[3].communicate(timeout=120)
+        assert others[3].returncode == 0 and "Turns per training episode (paper: 40). (default: 2)" in shown, shown
         os.killpg(first.pid, signal.SIGKILL)  # kill -9, in its first evaluation
         first.communicate(timeout=60)
         gate.touch()
@@ -3161,7 +3223,23 @@ def test_one_trainer_holds_a_run_directory_from_its_claim_to_its_exit(tmp_path):
     assert f"{run} is in use by process {winner.pid} on " in err and len(err.strip().splitlines()) == 1
     assert [(row["iteration"], "split" in row) for row in infra.read_metrics(run / "metrics.jsonl")] == [
         (0, True), (1, False), (1, True)]
-    assert (run / "model" / "model.safetensors").exists()
+    assert (run / "model" / "model.safetensors").exists() and not (run / "trainer").exists()
+
+
+def test_under_torchrun_a_refusal_is_the_root_cause_of_torchruns_report(tmp_path, capsys):
+    """torchrun exits 1 for a rank that fails, whatever its exit code, and then reports it; the
+    rank's one line is that report's root cause (before: "To enable traceback see ...")."""
+    run = tmp_path / "run"
+    loop.main([*quick(), "--iterations", "0", "--out", str(run)])
+    assert infra.hold(str(run)) is None  # this process trains it
+    try:
+        proc = _torchrun("loop.py", "--fsdp", "--resume", str(run), timeout=120)
+    finally:
+        infra.release(str(run))
+    said = (f"error: {run} is in use by process {os.getpid()} on {socket.gethostname()}, a trainer of this run: wait "
+            "for it to end, or stop it first (one trainer a run)")
+    assert proc.returncode == 1 and said in proc.stderr.splitlines(), proc.stderr
+    assert f"  traceback : {said}\n" in proc.stderr
 
 
 def _files(folder):
@@ -3250,8 +3328,7 @@ def test_an_evaluation_only_run_writes_no_model(tmp_path, capsys):
     """--iterations 0 evaluates the model it starts from: writing that model again (64 GB at 32B)
     would add nothing."""
     loop.main([*quick(), "--iterations", "0", "--out", str(tmp_path / "run"), "--tasks-per-iteration", "500"])
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "lock", "metrics.jsonl",
-                                                                    "transcripts"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "metrics.jsonl", "transcripts"]
     err = capsys.readouterr().err
     assert "no iterations, so no model/" in err
     assert "note: --tasks-per-iteration 500 is more than the 81 tasks of train: each iteration plays all of them" in err
@@ -4044,10 +4121,11 @@ def _fake_runs(root):
             "evalonly-0": ("token", [0], [0], []), "turn-2": ("turn", [0, .9], [0, 1], [.9])}
     for name, (ratio, tgc, sgc, clip) in runs.items():
         (root / name).mkdir()
-        its = 0 if name.startswith("evalonly") else 20
-        cfg = {"iterations": its, "ratio": ratio, "normalize_rewards": False, "seed": int(name[-1])}
+        evaluation = name.startswith("evalonly")  # of a model trained for 20 iterations, run with --eval
+        cfg = {"iterations": 20, "ratio": ratio, "normalize_rewards": False, "seed": int(name[-1]), "eval": evaluation,
+               "out": str(root / name)}
         (root / name / "config.json").write_text(json.dumps(cfg))
-        rows = [{"iteration": 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 20.0}
+        rows = [{"iteration": 20 if evaluation else 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 20.0}
                 for i, (t, g) in enumerate(zip(tgc, sgc))] + [
                     {"iteration": i + 1, "clip_fraction": c, "clipped_rollouts": c / 2, "kl": 2 * c,
                      "tokens_mean": 300 if ratio == "token" else 400, "seconds": 70.0} for i, c in enumerate(clip)]
@@ -4080,6 +4158,20 @@ def test_ablation_report_by_hand(tmp_path, capsys):
     assert (tmp_path / "ablation.md").read_text().splitlines() == rows
 
 
+def test_a_report_of_runs_whose_settings_differ_in_more_than_variant_and_seed_is_one_line(tmp_path, capsys):
+    """Their numbers would be compared as if one setting's: runs of two sweeps in one folder."""
+    _fake_runs(tmp_path)
+    config = tmp_path / "turn-1" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"eval_max_turns": 10}))
+    with pytest.raises(SystemExit) as stop:
+        ablation.main(["--report", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == (f"error: --report: token-0 and turn-1 under {tmp_path} differ in "
+                                            "eval_max_turns (None, 10), not only in the variant and the seed: "
+                                            "report each setting's runs from a folder of their own\n")
+    assert not (tmp_path / "ablation.md").exists()
+
+
 def test_ablation_report_draws_learning_curves(tmp_path):
     pytest.importorskip("matplotlib", reason="the figure is optional: pip install matplotlib")
     _fake_runs(tmp_path)
@@ -4094,15 +4186,19 @@ def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsy
 
 
 def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
-    quick = ["--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8",
-             "--eval-max-turns", "1", "--max-turns", "2"]
+    """...written to --out=~/sweep with --config=~/quick.json, where $HOME is (a shell expands
+    neither); run again with other settings, it stops with one line and changes nothing."""
+    (tmp_path / "quick.json").write_text(json.dumps({"tasks_per_iteration": 2, "rollouts_per_task": 2}))
+    quick = ["--config=~/quick.json", "--max-new-tokens", "8", "--eval-max-turns", "1", "--max-turns", "2"]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    root, tmp_path = tmp_path, tmp_path / "sweep"  # (the runs' folder, as the checks below name it)
     calls, main = [], loop.main
 
     def counted(argv):
         calls.append(argv)
         return main(argv)
     monkeypatch.setattr(loop, "main", counted)
-    ablation.main(["--seeds", "0", "--iterations", "2", "--out", str(tmp_path), *quick])
+    ablation.main(["--seeds", "0", "--iterations", "2", "--out=~/sweep", *quick])
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert names == ["none-0", "rwnorm-0", "token-0", "trajectory-0", "turn-0"] and len(calls) == 5
     for name in names:
@@ -4114,8 +4210,22 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     table = (tmp_path / "ablation.md").read_text().splitlines()
     assert len(table) == 23 and table[2].startswith("| per-token (LOOP) | 1 |")
     said = capsys.readouterr().err  # the commands a run prints do what they say: loop.py's
-    assert f"python {os.path.join(HERE, 'loop.py')} --tiny --eval --model {tmp_path / 'none-0' / 'model'}" in said
+    assert (f"python {os.path.join(HERE, 'loop.py')} --tiny --eval-max-turns=1 --max-new-tokens=8 --eval --model "
+            f"{tmp_path / 'none-0' / 'model'}") in said
     assert "ablation.py" not in said
+    before = _files(tmp_path)
+    with pytest.raises(SystemExit) as stop:  # another setting: a sweep of its own, in a folder of its own
+        ablation.main(["--seeds", "0", "--iterations", "2", "--out=~/sweep", *quick, "--eval-max-turns", "2"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == (f"error: {tmp_path / 'token-0'} was run with eval_max_turns = 1, and this "
+                                            "sweep gives it 2: give the sweep's settings as they were, or another "
+                                            "--out\n")
+    assert _files(tmp_path) == before and len(calls) == 5
+    # an evaluation of a run's model, written beside the runs, is no seed of the report
+    main(["--tiny", "--eval", "--model", str(tmp_path / "token-0" / "model"), "--iterations", "2", "--out",
+          str(tmp_path / "eval-token-0")])
+    ablation.main(["--report=~/sweep"])
+    assert (tmp_path / "ablation.md").read_text().splitlines()[2].startswith("| per-token (LOOP) | 1 |")
     # Again, after one run was cut off before it saved its model, and one before its first
     # checkpoint (a file of the user's beside it): only they run, resumed, and nothing is deleted.
     shutil.rmtree(tmp_path / "turn-0" / "model")

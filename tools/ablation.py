@@ -12,13 +12,15 @@
 
 Every variant of every seed trains from the shipped tiny model (`--tiny`: assets/tiny-model)
 with the same budget; the seed sets the tasks and the sampling. Runs that finished are skipped
-and interrupted ones resumed, so a sweep that was stopped continues where it was. Flags this
+and interrupted ones resumed, so a sweep that was stopped continues where it was; a run there of
+other settings (but --iterations) stops the sweep with one line: one setting a folder. Flags this
 script does not know go to every loop.py run (`--config FILE` of settings over --tiny's, or
 `--tasks-per-iteration 2` for a quick try). The tables (per variant, per run, and the verdict on
 each of the paper's orderings with a sign test over seeds) go to stdout and DIR/ablation.md; with
 matplotlib installed, the learning curves go to DIR/ablation.png.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,25 +50,50 @@ def sweep(seeds, iterations, root, extra):
 
 def run_once(run, iterations, flags):
     """Skip a finished run, resume one that started (from its checkpoint, or from iteration 0),
-    start any other. No folder is deleted; a run that another process trains stops the sweep."""
+    start any other. No folder is deleted; a run that another process trains stops the sweep, and
+    so does one whose settings are not the ones this sweep gives it (but for --iterations)."""
+    flags = [*flags, "--iterations", str(iterations), "--out", run]
     if not os.path.exists(os.path.join(run, "config.json")):
-        loop.main([*flags, "--iterations", str(iterations), "--out", run])
-    elif infra.trained_to(os.path.join(run, "model")) != iterations:
+        return loop.main(flags)
+    given = dataclasses.asdict(loop.parse_config(flags))
+    if key := mismatch(settings(run), given, ignore=("iterations", "out", "resume", "track")):
+        infra.die(f"{run} was run with {key} = {settings(run)[key]!r}, and this sweep gives it "
+                  f"{given[key]!r}: give the sweep's settings as they were, or another --out")
+    if infra.trained_to(os.path.join(run, "model")) != iterations:
         loop.main(["--resume", run, "--iterations", str(iterations)])
+
+
+def settings(run):
+    """A run's settings, as its config.json records them."""
+    with open(os.path.join(run, "config.json")) as fh:
+        return json.load(fh)
+
+
+def mismatch(a, b, ignore):
+    """The first setting (by name) in which two runs' settings differ, but for those in `ignore`."""
+    return next((key for key in sorted(a.keys() | b.keys())
+                 if key not in ignore and a.get(key) != b.get(key)), None)
 
 
 def finished_runs(root):
     """{(ratio, normalize_rewards): [(seed, evaluations by iteration, training rows), ...]} of the
     runs under root that reached their last iteration; evaluation-only runs and others are left
-    out."""
-    runs = {}
+    out. Runs whose settings differ in more than the variant and the seed are one line."""
+    runs, first = {}, None
     for name in sorted(os.listdir(root)):
         config = os.path.join(root, name, "config.json")
         metrics = os.path.join(root, name, "metrics.jsonl")
         if not (os.path.exists(config) and os.path.exists(metrics)):
             continue  # not a run directory
-        with open(config) as fh:
-            cfg = json.load(fh)
+        cfg = settings(os.path.join(root, name))
+        if cfg["eval"]:
+            continue
+        first = first or (name, cfg)
+        if key := mismatch(first[1], cfg, ignore=("ratio", "normalize_rewards", "seed", "out",
+                                                  "track")):
+            infra.die(f"--report: {first[0]} and {name} under {root} differ in {key} ("
+                      f"{first[1].get(key)!r}, {cfg.get(key)!r}), not only in the variant and "
+                      "the seed: report each setting's runs from a folder of their own")
         rows = infra.read_metrics(metrics)
         curve = {r["iteration"]: r for r in rows if "split" in r}
         if cfg["iterations"] and max(curve, default=-1) == cfg["iterations"]:
@@ -230,10 +257,12 @@ def plot(root, order, curves, n_seeds):
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--report", metavar="DIR", help="only draw the table and figure of DIR")
+    parser.add_argument("--report", metavar="DIR", type=os.path.expanduser,
+                        help="only draw the table and figure of DIR")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=100, help="RL iterations per run")
-    parser.add_argument("--out", default="runs/ablation", help="directory of the sweep's runs")
+    parser.add_argument("--out", default="runs/ablation", type=os.path.expanduser,
+                        help="directory of the sweep's runs")
     args, extra = parser.parse_known_args(argv)
     if args.report:
         return report(args.report)
