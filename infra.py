@@ -50,10 +50,9 @@ RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by s
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
 
 def die(message):
-    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback (torchrun
-    exits 1 for any rank that fails, and its report names this line as the root cause)."""
+    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
-    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # what its report gives as the cause
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report: the root cause
         error = {"message": f"error: {message}", "timestamp": int(time.time())}
         pathlib.Path(path).write_text(json.dumps(error))
     sys.exit(2)
@@ -63,8 +62,7 @@ def say(text):
         tqdm.write(text, file=sys.stderr)
 
 class Console:
-    """stdout or stderr, whose reader may go away (| head, a closed terminal): then /dev/null;
-    one closed from the start (`>&-`: None) is /dev/null from the start."""
+    """stdout or stderr, whose reader went away (| head, a closed terminal) or never was (>&-)."""
 
     def __init__(self, stream):  # (a Console's own stream: Console(Console(x)) is Console(x))
         self.stream = getattr(stream, "stream", stream) or open(os.devnull, "w")
@@ -163,8 +161,7 @@ def checked(f):
     return convert
 
 def check_resume(args, saved):
-    """What a resume cannot change: where the run is, that it trains (its checkpoint's model and
-    objective: last_checkpoint)."""
+    """What a resume cannot change: where the run is, that it trains (model: last_checkpoint)."""
     if args.out is not None and os.path.abspath(args.out) != os.path.abspath(args.resume):
         die(f"--out cannot change when resuming: the run goes on in {args.resume}")
     if saved.eval:
@@ -201,8 +198,7 @@ def read_settings(path, Config, run=""):
     return flags
 
 def read_json(path, run=""):
-    """A settings file's JSON and None, or None and why it cannot be read, what to do (`run`: the
-    run whose config.json it is)."""
+    """A settings file's JSON and None, or None and why it cannot be read (`run`: whose it is)."""
     try:
         return json.loads(pathlib.Path(path).read_text()), None
     except (OSError, ValueError) as e:  # (JSON's errors and UnicodeDecodeError are ValueErrors)
@@ -486,8 +482,7 @@ class Hosted:
             self.worker.kill()
 
 def concurrently(calls):
-    """The calls at once, a thread each: a hung world holds up no other. Ctrl-C leaves them to
-    their deadlines (a rollout's worlds are closed then, which ends them at once)."""
+    """The calls at once, a thread each: a hung world holds up no other, nor Ctrl-C."""
     pool = concurrent.futures.ThreadPoolExecutor(max(len(calls), 1))
     try:
         return list(pool.map(lambda call: call(), calls))
@@ -724,7 +719,20 @@ def playing(model, worlds, cfg, desc):
         layer.set_reshard_after_forward(True, recurse=False)
     bar.close()
 
-# The update's log-probs: log p(target) per position without the [tokens x vocab] logits
+# The update's passes; its log-probs: log p(target) per position, no [tokens x vocab] logits
+def passes(episodes, indices, budget):
+    """episodes[indices] as forward/backward passes, longest first: a pass takes the next while it
+    holds at most `budget` cells (rows x its longest) and pads at most 10%; a longer one runs alone.
+    All ranks run as many as the busiest (the others' last ones empty)."""
+    groups = []
+    for i in sorted(indices, key=lambda i: -len(episodes[i].ids)):
+        lengths = [len(episodes[j].ids) for j in [*groups[-1], i]] if groups else []  # 0: widest
+        if lengths and len(lengths) * lengths[0] <= min(budget, 1.1 * sum(lengths)):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups + [[]] * int(all_reduce([len(groups)], dist.ReduceOp.MAX)[0] - len(groups))
+
 def token_logprobs(model, ids, attn, temperature):
     """log p(x_t | x_<t) [B, T-1] at the temperature: `.logits`, while the head is `scoring`."""
     head = model.get_output_embeddings()
@@ -802,11 +810,10 @@ def train_state(model, opt, optimizer):
     weights = {k: v for k, v in sd.get_model_state_dict(model).items() if k in names}
     return {"model": weights, "optim": sd.get_optimizer_state_dict(model, opt) if optimizer else {}}
 
-OBJECTIVE = ("model", "lora", "ratio", "normalize_rewards")  # what a checkpoint's weights are
+OBJECTIVE = ("model", "lora", "ratio", "normalize_rewards")  # a checkpoint's: a resume keeps them
 
 def save_checkpoint(run_dir, model, opt, iteration, cfg):
-    """Written to checkpoint.tmp, then put in place, with the objective it was trained for (a
-    resume keeps it). No RNG state: iterations seed themselves."""
+    """Written to checkpoint.tmp, then put in place. No RNG state: iterations seed themselves."""
     path = os.path.join(run_dir, "checkpoint")
     if RANK == 0:
         shutil.rmtree(path + ".tmp", ignore_errors=True)
@@ -827,8 +834,7 @@ def put_in_place(path):
     shutil.rmtree(path + ".old", ignore_errors=True)
 
 def last_checkpoint(run_dir, cfg):
-    """The newest complete checkpoint of a run and its iteration; (None, 0) if it has none. A
-    resume that would train it from another model or for another objective stops here."""
+    """The newest complete checkpoint of a run and its iteration, (None, 0) if none; checked."""
     paths = [os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.old")]
     paths = [p for p in paths if os.path.isdir(p)]
     if not paths:
@@ -846,8 +852,7 @@ def last_checkpoint(run_dir, cfg):
 
 @contextlib.contextmanager
 def reading_checkpoint(path, model):
-    """A checkpoint that cannot be read: one line naming its damaged file, or else DCP's reason (a
-    checkpoint of another `model`: the weight whose shape differs), and what to do."""
+    """A checkpoint that cannot be read: one line naming its damaged file, or else DCP's reason."""
     try:
         yield
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - (DCP's: BaseException)
@@ -1041,8 +1046,11 @@ class Run:
         """A start that fails (an error, die(), Ctrl-C) leaves the directory as it was, or none."""
         try:
             yield
-        except BaseException:
-            unclaim(self.dir, self.made, self.cfg.resume)
+        except BaseException:  # a fresh run's config.json, the lock, its folders: gone
+            if RANK == 0 and not self.cfg.resume:
+                os.remove(os.path.join(self.dir, "config.json"))
+            release(self.dir)
+            remove_empty(self.made)
             raise
         cfg, metrics, rows = self.cfg, os.path.join(self.dir, "metrics.jsonl"), self.rows
         if RANK == 0:  # a resume's rows up to the checkpoint: none twice, no cut line
@@ -1212,15 +1220,6 @@ def default_out(cfg):
     if os.path.basename(model) == "model" and os.path.isfile(os.path.join(run_dir, "config.json")):
         return os.path.join(run_dir, f"eval-{split}")
     return os.path.join("runs", f"eval-{os.path.basename(model)}-{split}")
-
-def unclaim(run_dir, made, resumed):
-    """A start that failed leaves nothing: a fresh run's config.json, its lock, its folders."""
-    if RANK > 0:
-        return
-    if not resumed:
-        os.remove(os.path.join(run_dir, "config.json"))
-    release(run_dir)
-    remove_empty(made)
 
 def remove_empty(folders):
     """The folders made, innermost first, as far as they are empty (another run's stay)."""

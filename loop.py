@@ -89,7 +89,7 @@ class Config:
     eval_temperature: float = setting(0.0, "Evaluation's temperature (0 = greedy).", at_least=0)
     batch_episodes: int = setting(6, "Episodes played at once per rank (32B: 8.6 GB of KV each).")
     # systems: memory and GPUs
-    micro_batch_size: int = setting(4, "Rollouts per forward/backward pass; gradients accumulate.")
+    micro_batch_tokens: int = setting(16384, "Cells (rows x longest) a pass holds; longer: alone.")
     logprob_chunk: int = setting(512, "Positions per chunk of the update's vocabulary projection.")
     fsdp: bool = setting(False, "Shard weights, gradients and AdamW state (FSDP2, torchrun).")
     rollout_full_weights: bool = setting(False, "FSDP: keep layers gathered through a rollout.")
@@ -314,13 +314,15 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     worlds = [infra.Hosted(World, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
               for i, task in enumerate(task_ids)]
     episodes = rollout(model, chat, worlds, task_ids, cfg, cfg.temperature, cfg.max_turns)
+    rolled = time.time()
     infra.stop_if_every_world_failed(episodes, f"iteration {iteration}")
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
     valid = torch.tensor([not e.failed for e in episodes], dtype=torch.bool).view(len(tasks), k)
     advantages = loo_advantages(rewards, cfg.normalize_rewards, valid).flatten()
     stats = update(model, opt, episodes, advantages, cfg)
     row = rollout_metrics(episodes, World, (rewards * valid).sum().item())
-    return {"iteration": iteration, **row, **stats, "seconds": round(time.time() - started, 2)}
+    return {"iteration": iteration, **row, **stats, "rollout_seconds": round(rolled - started, 2),
+            "seconds": round(time.time() - started, 2)}
 
 def rollout_metrics(episodes, World, reward):
     """Means over all ranks' rollouts (`reward`: this rank's sum where the world held up)."""
@@ -359,22 +361,24 @@ def update(model, opt, episodes, advantages, cfg):
     counts = infra.all_reduce([len(used) * (r == infra.RANK) for r in range(infra.WORLD)])
     stats = {"rollouts_used": int(sum(counts)), "steps": 0, "skipped_nan": 0, "abandoned": False,
              "kl": 0.0, "clip_fraction": 0.0, "clipped_rollouts": 0.0, "loss": 0.0,
-             "grad_norm": 0.0}
+             "grad_norm": 0.0, "padding": 0.0, "old_logprob_seconds": 0.0, "update_seconds": 0.0}
     if not sum(counts):
         return stats
-    old = old_logprobs(model, episodes, used, counts, cfg)
+    started = time.time()
+    old = old_logprobs(model, episodes, used, cfg)
+    stats["old_logprob_seconds"] = round(time.time() - started, 2)
+    started = time.time()  # the passes'
     model.train()
     params = [p for group in opt.param_groups for p in group["params"]]  # FSDP's sharded ones
-    kls, losses, norms = [], [], []
-    clipped = outputs = 0
+    kls, sums = [], collections.Counter()  # sums over the steps taken (cells: over all passes)
     whole = set()  # this rank's rollouts whose every output token was clipped in a minibatch
     for _ in range(cfg.epochs):
         order = random.sample(used, len(used))
-        for chunks, size in minibatches(order, counts, cfg):
+        for passes, size in minibatches(order, counts, episodes, cfg):
             opt.zero_grad(set_to_none=True)
-            (loss_sum, kl_sum, n_clipped, n_outputs), all_clipped = minibatch_backward(
-                model, episodes, chunks, old, advantages, cfg)
-            kls.append(kl_sum / size)
+            totals, all_clipped = minibatch_backward(model, episodes, passes, old, advantages, cfg)
+            sums.update(cells=totals["cells"], tokens=totals["tokens"])  # padding included: cells
+            kls.append(totals["kl"] / size)
             if abs(kls[-1]) > cfg.max_kl:  # the policy moved too far: stop using these rollouts
                 opt.zero_grad(set_to_none=True)
                 stats["abandoned"] = True
@@ -383,55 +387,50 @@ def update(model, opt, episodes, advantages, cfg):
             if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the same on every rank
                 norm = norm.full_tensor()
             # nothing not finite moves a weight (a finite loss can have a NaN gradient: 0 x inf)
-            if not math.isfinite(loss_sum) or not math.isfinite(norm.item()):
+            if not math.isfinite(totals["loss"]) or not math.isfinite(norm.item()):
                 opt.zero_grad(set_to_none=True)
                 stats["skipped_nan"] += 1
                 continue
-            norms.append(norm.item())
             opt.step()
             stats["steps"] += 1
-            losses.append(loss_sum / cfg.minibatch_size)
-            clipped += n_clipped
-            outputs += n_outputs
+            sums.update(loss=totals["loss"] / cfg.minibatch_size, norm=norm.item(),
+                        clipped=totals["clipped"], outputs=totals["outputs"])
             whole.update(all_clipped)
         if stats["abandoned"]:
             break
-    stats.update(kl=mean(kls), clip_fraction=clipped / max(outputs, 1), loss=mean(losses),
-                 grad_norm=mean(norms))
+    steps = max(stats["steps"], 1)
+    stats.update(kl=mean(kls), clip_fraction=sums["clipped"] / max(sums["outputs"], 1),
+                 loss=sums["loss"] / steps, grad_norm=sums["norm"] / steps,
+                 padding=sums["cells"] / sums["tokens"],
+                 update_seconds=round(time.time() - started, 2))
     stats["clipped_rollouts"] = infra.all_reduce([len(whole)])[0] / sum(counts)
     return stats
 
-def minibatches(order, counts, cfg):
-    """Each minibatch as this rank's micro-batches, and its size over all ranks: under FSDP each
-    takes its share from its own rollouts (`counts`: every rank's); all run the busiest's passes."""
+def minibatches(order, counts, episodes, cfg):
+    """Each minibatch as this rank's passes (infra.passes: similar lengths), and its size over all
+    ranks: under FSDP each takes its share from its own rollouts (`counts`: every rank's)."""
     share = math.ceil(cfg.minibatch_size / infra.WORLD)
     for j in range(max(math.ceil(n / share) for n in counts)):
-        sizes = [min(share, max(0, n - j * share)) for n in counts]
+        size = sum(min(share, max(0, n - j * share)) for n in counts)
         mine = order[j * share:(j + 1) * share]
-        yield micro_batches(mine, sizes, cfg.micro_batch_size), sum(sizes)
-
-def micro_batches(indices, sizes, size):
-    """This rank's `indices` in slices of `size`, as many as the rank with the most (`sizes`: the
-    count of every rank) needs, so that all ranks run the same passes; the last may be empty."""
-    n = max(math.ceil(k / size) for k in sizes)
-    return [indices[j * size:(j + 1) * size] for j in range(n)]
+        yield infra.passes(episodes, mine, cfg.micro_batch_tokens), size
 
 @torch.no_grad()
-def old_logprobs(model, episodes, used, counts, cfg):
+def old_logprobs(model, episodes, used, cfg):
     """log p_psi of each used rollout's tokens, from the model about to be updated, right before
     the update, at the sampling temperature (reference code: recompute_rollout_probs)."""
     model.eval()
     old = {}
-    for chunk in micro_batches(used, counts, cfg.micro_batch_size):
+    for chunk in infra.passes(episodes, used, cfg.micro_batch_tokens):
         ids, attn, _, _ = pad_batch([episodes[i] for i in chunk])
         for i, logp in zip(chunk, infra.token_logprobs(model, ids, attn, cfg.temperature)):
             old[i] = logp[:len(episodes[i].ids) - 1]
     return old
 
 def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
-    """Accumulate one minibatch's gradient over its micro-batches; returns the sums over ranks
-    of [loss, KL estimate, clipped tokens, output tokens], and this rank's rollouts all clipped."""
-    totals, all_clipped = [0.0, 0.0, 0, 0], []
+    """Accumulate one minibatch's gradient over its passes; returns the sums over ranks of loss, KL
+    estimate, clipped and output tokens, cells and tokens, and this rank's rollouts all clipped."""
+    totals, all_clipped = [0.0, 0.0, 0, 0, 0, 0], []
     for chunk in chunks:
         ids, attn, is_output, turn_of = pad_batch([episodes[i] for i in chunk])
         logp = infra.token_logprobs(model, ids, attn, cfg.temperature)
@@ -446,11 +445,13 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
         # sum over rollouts / minibatch size; x world because FSDP averages gradients over ranks
         (per_rollout.sum() * infra.WORLD / cfg.minibatch_size).backward()
         kl = -((logp - old_logp) * mask).sum()
-        step = [per_rollout.sum().item(), kl.item(), n_clipped.sum().item(), mask.sum().item()]
+        step = [per_rollout.sum().item(), kl.item(), n_clipped.sum().item(), mask.sum().item(),
+                ids.numel(), attn.sum().item()]
         totals = [a + b for a, b in zip(totals, step)]
         outputs = mask.sum(1).tolist()
         all_clipped += [i for i, k, n in zip(chunk, n_clipped.tolist(), outputs) if k == n > 0]
-    return infra.all_reduce(totals), all_clipped
+    keys = ["loss", "kl", "clipped", "outputs", "cells", "tokens"]
+    return dict(zip(keys, infra.all_reduce(totals))), all_clipped
 
 NO_OUTPUT = Episode("", None, ids=[0, 0], is_output=[False, False], turn_of=[-1, -1])
 

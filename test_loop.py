@@ -311,7 +311,7 @@ def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, mes
 
 @pytest.mark.parametrize("flag, value, allowed", [
     ("--batch-episodes", "0", ">= 1"), ("--eval-every", "0", ">= 1"), ("--tasks-per-iteration", "0", ">= 1"),
-    ("--micro-batch-size", "0", ">= 1"), ("--minibatch-size", "0", ">= 1"), ("--max-turns", "0", ">= 1"),
+    ("--micro-batch-tokens", "0", ">= 1"), ("--minibatch-size", "0", ">= 1"), ("--max-turns", "0", ">= 1"),
     ("--eval-max-turns", "0", ">= 1"), ("--epochs", "0", ">= 1"), ("--iterations", "-1", ">= 0"),
     ("--rollouts-per-task", "1", ">= 2"), ("--max-new-tokens", "0", ">= 1"), ("--max-context", "0", ">= 1"),
     ("--clip-eps", "-0.1", "> 0"), ("--lr", "-1e-5", "> 0"), ("--lr", "0", "> 0"), ("--temperature", "0", "> 0"),
@@ -1324,7 +1324,7 @@ def test_one_update_moves_the_sampled_tokens_the_way_the_advantage_says(tiny, ep
         return logp
     monkeypatch.setattr(infra, "token_logprobs", recording)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0)
-    one_step = loop.dataclasses.replace(cfg, epochs=1, minibatch_size=1, micro_batch_size=1)
+    one_step = loop.dataclasses.replace(cfg, epochs=1, minibatch_size=1, micro_batch_tokens=1)
     assert loop.update(m, opt, [e], torch.tensor([advantage]), one_step)["steps"] == 1
     assert (_mean_output_logp(m, e) - before) * advantage > 0
     (logp,) = trained
@@ -1346,7 +1346,7 @@ def test_high_kl_abandons_the_iteration(tiny, episodes):
     import copy
     import dataclasses
     m = copy.deepcopy(model)
-    small = dataclasses.replace(cfg, minibatch_size=1, micro_batch_size=1, max_kl=1e-9, lr=1e-2)
+    small = dataclasses.replace(cfg, minibatch_size=1, micro_batch_tokens=1, max_kl=1e-9, lr=1e-2)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     stats = loop.update(m, opt, episodes[0], torch.tensor([1.0, -1.0, 1.0, -1.0]), small)
     assert stats["abandoned"] and stats["steps"] == 1  # first step ran (KL 0), the second saw KL > 0
@@ -1364,7 +1364,7 @@ def _synthetic_episodes(chat, n=8, seed=0):
     return eps, torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, 1.5][:n])
 
 
-UPDATE_FLAGS = ["--tiny", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3"]
+UPDATE_FLAGS = ["--tiny", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-tokens", "300", "--lr", "1e-3"]
 
 
 def _model_and_adamw(lora, fsdp=False, flags=()):
@@ -1512,18 +1512,67 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient():
     model, tok = infra.load_model_and_tokenizer(cfg)
     eps, adv = _synthetic_episodes(Chat(tok))
     results = []
-    for micro in (1, 3, 8, 16):  # 16 > minibatch: one pass then holds the whole minibatch
+    for micro in (1, 300, 1000, 10**6):  # 1: a pass a rollout; 10**6: passes as padding allows
         m = copy.deepcopy(model)
         # SGD: the step is the gradient itself. Adam's first step is about lr * sign(g), so a
         # near-zero gradient summed in another order could flip it by 2 * lr.
         opt = torch.optim.SGD(m.parameters(), lr=cfg.lr)
-        stats = loop.update(m, opt, eps, adv, loop.dataclasses.replace(cfg, micro_batch_size=micro))
+        stats = loop.update(m, opt, eps, adv, loop.dataclasses.replace(cfg, micro_batch_tokens=micro))
         assert stats["steps"] == 1
         results.append((stats["loss"], stats["grad_norm"], next(m.parameters()).detach().clone()))
     for loss, norm, weights in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-5)
         assert norm == pytest.approx(results[0][1], rel=1e-4)
         assert torch.allclose(weights, results[0][2], atol=1e-6)
+
+
+def test_passes_hold_rollouts_of_similar_lengths_within_the_token_budget():
+    """Longest first; a pass takes the next while rows x its longest stays within the budget and
+    pads at most 10%; a rollout longer than the budget runs alone. By hand, budget 800: 1000 alone;
+    300 + 290 (600 cells for 590 tokens); 120 would make 900 > 800 cells, so 120 + 100 (240 for 220)."""
+    eps = [loop.Episode("", None, ids=[0] * n) for n in (100, 300, 290, 120, 1000)]
+    assert infra.passes(eps, [0, 1, 2, 3, 4], 800) == [[4], [1, 2], [3, 0]]
+    assert infra.passes(eps, [0, 1, 2, 3, 4], 10**6) == [[4], [1, 2], [3, 0]]  # 300 + 290 + 120: 900 > 1.1 x 710
+    assert infra.passes(eps, [3, 0], 10**6) == [[3, 0]] and infra.passes(eps, [], 800) == []
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["LOO", "RwNorm"])
+@pytest.mark.parametrize("kind", loop.RATIOS)
+def test_a_minibatch_in_passes_by_tokens_has_the_gradient_of_one_in_passes_by_rollout_count(tiny, kind, normalize):
+    """The paper's update, whatever the layout: one minibatch of 9 rollouts (a long outlier among
+    them) in infra.passes (the outlier alone), in slices of 4 rollouts (the layout before) and in one
+    pass: the same loss, KL and gradient, for every objective, with ratios away from 1 (clipped
+    tokens too). The old log-probs, computed in passes of one rollout or in infra.passes, agree."""
+    import copy
+    _, model, chat = tiny
+    model = copy.deepcopy(model)
+    eps, _ = _synthetic_episodes(chat, n=8)
+    outlier = loop.Episode("", None, list(eps[0].ids), list(eps[0].is_output), list(eps[0].turn_of))
+    outlier.add([7] * 700, output=True, turn=3)
+    eps.append(outlier)
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.25, 1.0, 0.0], [0.0, 0.75, 1.0]])
+    advantages = loop.loo_advantages(rewards, normalize).flatten()
+    cfg = loop.parse_config(["--tiny", "--ratio", kind, "--minibatch-size", "9"] + ["--normalize-rewards"] * normalize)
+    old = loop.old_logprobs(model, eps, list(range(9)), cfg)
+    alone = loop.old_logprobs(model, eps, list(range(9)), dataclasses.replace(cfg, micro_batch_tokens=1))
+    assert all(torch.allclose(old[i], alone[i], atol=1e-5) for i in range(9))
+    g = torch.Generator().manual_seed(0)
+    old = {i: logp + 0.2 * torch.randn(logp.shape, generator=g) for i, logp in old.items()}  # a policy that moved
+    passes = infra.passes(eps, list(range(9)), cfg.micro_batch_tokens)
+    assert [8] in passes and len(passes) > 1
+    results = []
+    for layout in (passes, [[0, 1, 2, 3], [4, 5, 6, 7], [8]], [list(range(9))]):
+        model.zero_grad(set_to_none=True)
+        model.train()
+        totals, _ = loop.minibatch_backward(model, eps, layout, old, advantages, cfg)
+        results.append(([totals[key] for key in ("loss", "kl", "clipped", "outputs")],
+                        [p.grad.clone() for p in model.parameters()]))
+    if kind != "none":
+        assert results[0][0][2] > 0  # some tokens clipped
+    for totals, grads in results[1:]:
+        assert totals == pytest.approx(results[0][0], rel=1e-5, abs=1e-6)
+        for a, b in zip(grads, results[0][1]):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), ((a - b).abs().max(), b.abs().max())
 
 
 def _step_norm(model, before):
@@ -1549,7 +1598,7 @@ def test_the_empty_pass_of_a_rank_without_rollouts_is_valid_for_every_ratio(kind
     cfg = loop.parse_config(UPDATE_FLAGS + ["--ratio", kind])
     model, tok = infra.load_model_and_tokenizer(cfg)
     totals, all_clipped = loop.minibatch_backward(model, [], [[]], {}, torch.zeros(0), cfg)
-    assert totals == [0.0, 0.0, 0, 0] and all_clipped == []
+    assert totals == {"loss": 0.0, "kl": 0.0, "clipped": 0, "outputs": 0, "cells": 2, "tokens": 2} and all_clipped == []
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
@@ -1557,7 +1606,7 @@ def _one_minibatch_twice():
     """Settings of one minibatch and 2 epochs, a model, 8 synthetic rollouts, and a copy of the
     model after 1 epoch (one SGD step)."""
     import copy
-    cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--micro-batch-size", "8"])
+    cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--micro-batch-tokens", "100000"])
     model, tok = infra.load_model_and_tokenizer(cfg)
     eps, adv = _synthetic_episodes(Chat(tok))
     one_step = copy.deepcopy(model)
@@ -1570,11 +1619,17 @@ def _as_after_one_step(model, one_step):
         assert torch.isfinite(p).all() and torch.allclose(p, q, atol=1e-6)
 
 
+def _a_pass_a_minibatch(monkeypatch):
+    """Each minibatch (and the old log-probs) in one pass: tests that count passes count minibatches."""
+    monkeypatch.setattr(infra, "passes", lambda episodes, indices, budget: [list(indices)])
+
+
 def test_clipped_rollouts_is_the_share_of_rollouts_all_clipped_in_some_minibatch(monkeypatch):
     """8 rollouts, 2 epochs of minibatches of 2 (as loop_loss says): the 5 with A > 0 have every
     output token clipped in the second epoch (3 of them in the first too), those with A < 0 all
     tokens but one in both epochs. clipped_rollouts = 5/8: each counted once, none partly clipped. Per token, loop_loss
     counts each rollout's own clipped tokens (hand-computed: 1 of 3, and 3 of 3)."""
+    _a_pass_a_minibatch(monkeypatch)
     cfg = loop.parse_config(UPDATE_FLAGS + ["--epochs", "2", "--minibatch-size", "2"])
     model, tok = infra.load_model_and_tokenizer(cfg)
     eps, adv = _synthetic_episodes(Chat(tok))
@@ -1598,6 +1653,7 @@ def test_clipped_rollouts_is_the_share_of_rollouts_all_clipped_in_some_minibatch
 def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(monkeypatch):
     """A finite loss whose gradient is NaN (an overflow in backward) moves no weight: the step is
     skipped and counted in skipped_nan, and the next minibatch steps as usual."""
+    _a_pass_a_minibatch(monkeypatch)
     cfg, model, eps, adv, one_step = _one_minibatch_twice()
     loop_loss, passes = loop.loop_loss, [0]
 
@@ -1617,6 +1673,7 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_counted(monkeypatch)
 def test_a_minibatch_whose_loss_is_not_finite_moves_no_weight(monkeypatch):
     """Two epochs of one minibatch; the second pass's log-probs turn NaN, as an overflow in the
     forward pass would make them: that step is skipped, and the weights are those of the first."""
+    _a_pass_a_minibatch(monkeypatch)
     cfg, model, eps, adv, one_step = _one_minibatch_twice()
     token_logprobs, passes = infra.token_logprobs, [0]
 
@@ -1631,7 +1688,7 @@ def test_a_minibatch_whose_loss_is_not_finite_moves_no_weight(monkeypatch):
 
 
 def test_lora_trains_and_saves_only_the_adapter(tmp_path):
-    cfg = loop.parse_config(["--tiny", "--lora", "--epochs", "1", "--minibatch-size", "8", "--micro-batch-size", "8"])
+    cfg = loop.parse_config(["--tiny", "--lora", "--epochs", "1", "--minibatch-size", "8"])
     model, tok = infra.load_model_and_tokenizer(cfg)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
@@ -1774,6 +1831,10 @@ def test_tiny_smoke_run_writes_metrics_and_the_evaluation_it_suggests_runs_as_pr
     for r in train:
         assert {"reward_mean", "success_rate", "kl", "clip_fraction", "seconds"} <= set(r)
         assert 0 <= r["reward_mean"] <= 1 and 0 <= r["clip_fraction"] <= 1 and math.isfinite(r["kl"])
+        # the update's passes pad at most 10%; where the iteration's time went
+        assert 1.0 <= r["padding"] <= 1.1 and r["rollouts_used"] > 0
+        phases = r["rollout_seconds"] + r["old_logprob_seconds"] + r["update_seconds"]
+        assert 0 < r["old_logprob_seconds"] < r["update_seconds"] and phases <= r["seconds"] + 0.02
     for r in evals:
         assert 0 <= r["sgc"] <= r["tgc"] <= 1  # a solved scenario is three solved tasks
         assert len(r["per_task"]) == len(tiny_world.TinyWorld.tasks("test"))
@@ -2089,7 +2150,7 @@ def test_the_default_wave_fits_an_80_gb_gpu_and_one_that_does_not_fit_stops_firs
     free = {"bytes": int(80e9 - 8.4e9)}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (free["bytes"], int(80e9)))
     cfg = loop.parse_config(["--fsdp", "--bf16", "--lora", "--activation-checkpointing", "--train-split", "train_paper",
-                             "--split", "dev", "--micro-batch-size", "1"])
+                             "--split", "dev"])
     assert cfg.model == "Qwen/Qwen2.5-32B-Instruct" and cfg.max_context == 32768 and cfg.batch_episodes == 6
     infra.check_kv_cache(cfg, qwen32b, cfg.batch_episodes)  # fits: nothing happens
     free["bytes"] = 30 * 2**30
@@ -2821,7 +2882,7 @@ def _kill_at(spec, argv):
 
 
 def _logged(run):
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in infra.read_metrics(run / "metrics.jsonl")]
+    return [{k: v for k, v in row.items() if not k.endswith("seconds")} for row in infra.read_metrics(run / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")

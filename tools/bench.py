@@ -7,13 +7,16 @@ Memory is the peak growth of a fresh process's resident set (CUDA: the allocator
 one run of a workload after an untimed warm-up run; timings are medians of alternating runs.
 Rollouts: 8 episodes of 6 turns in a scripted world, with the KV cache carried across turns and
 re-prefilled every turn, and 8 of unequal lengths for the cache's size; environment steps: 4 of
-1 s of CPU each in processes of their own.
+1 s of CPU each in processes of their own. The update's passes: a minibatch of one rollout of
+2,000 tokens and 15 of 120-400, in infra.passes (similar lengths, at most 2,048 cells) and in
+slices of 4 rollouts (the layout before it): padded cells / tokens, seconds, peak memory.
 """
 import dataclasses
 import functools
 import json
 import multiprocessing
 import os
+import random
 import sys
 import time
 
@@ -97,6 +100,32 @@ def training_workloads(cfg, device):
     loop_update()  # warm: optimizer state and caches exist before anything is measured
     sft()
     return model, chat, loop_update, sft
+
+
+def uneven_minibatch(model, chat, cfg, budget=2048):
+    """One rollout of 2,000 tokens and 15 of 120-400 (every other token sampled), their old
+    log-probs and advantages, and the two layouts: infra.passes at `budget` cells (the outlier's
+    own) and slices of 4 rollouts (the outlier with 3 others)."""
+    g = random.Random(0)
+    lengths = [2000] + [g.randint(120, 400) for _ in range(15)]
+    episodes = [loop.Episode("", None, [g.randrange(4, len(chat.tok)) for _ in range(n)],
+                             [k % 2 == 1 for k in range(n)], [0] * n) for n in lengths]
+    used = list(range(len(episodes)))
+    old = loop.old_logprobs(model, episodes, used, cfg)
+    advantages = torch.tensor([1.0, -1.0] * 8)
+    layouts = {"passes": infra.passes(episodes, used, budget),
+               "slices": [used[k:k + 4] for k in range(0, len(used), 4)]}
+
+    def backward(layout):
+        model.zero_grad(set_to_none=True)
+        loop.minibatch_backward(model, episodes, layouts[layout], old, advantages, cfg)
+    return episodes, layouts, backward
+
+
+def padding(episodes, layout):
+    """Cells the passes compute (rows x their longest) / the rollouts' tokens."""
+    cells = sum(len(p) * max(len(episodes[i].ids) for i in p) for p in layout if p)
+    return cells / sum(len(e.ids) for e in episodes)
 
 
 class FixedWorld:
@@ -241,6 +270,10 @@ def measure(name, cfg):
     if name == "full":
         return peak_memory(logprob_workload(TOKENS, device), device)
     model, chat, loop_update, sft = training_workloads(cfg, device)
+    if name in ("passes", "slices"):  # one minibatch with a long outlier, in either layout
+        _, _, backward = uneven_minibatch(model, chat, cfg)
+        backward(name)  # warm
+        return peak_memory(functools.partial(backward, name), device)
     if name == "loop":
         return peak_memory(loop_update, device)
     if name == "sft":
@@ -258,7 +291,15 @@ def measure(name, cfg):
         loop.generate(model, chat, prompts, 1.0, 64)
     speedups = [seconds(one_at_a_time, device) / seconds(batched, device) for _ in range(3)]
     carried, reprefilled, carry_speedup = rollout_figures(model, chat, cfg)
-    return {"loop_s": median([a for a, _ in pairs]), "sft_s": median([b for _, b in pairs]),
+    episodes, layouts, backward = uneven_minibatch(model, chat, cfg)
+    backward("passes")  # warm
+    layout_s = {name: [] for name in layouts}
+    for _ in range(3):  # alternating
+        for name in layouts:
+            layout_s[name].append(seconds(functools.partial(backward, name), device))
+    return {"passes_padding": padding(episodes, layouts["passes"]),
+            "slices_padding": padding(episodes, layouts["slices"]),
+            "passes_speedup": median(layout_s["slices"]) / median(layout_s["passes"]),"loop_s": median([a for a, _ in pairs]), "sft_s": median([b for _, b in pairs]),
             "batch_speedup": median(speedups), "prefill_ratio": carried,
             "reprefill_ratio": reprefilled, "carry_speedup": carry_speedup,
             "cache_ratio": cache_ratio, "uneven_prefill_ratio": uneven_prefill_ratio,
@@ -271,14 +312,14 @@ def in_fresh_process(name, cfg):
 
 
 def bench(cfg):
-    cfg = dataclasses.replace(cfg, epochs=2, minibatch_size=8, micro_batch_size=8)
+    cfg = dataclasses.replace(cfg, epochs=2, minibatch_size=8, micro_batch_tokens=4096)
     speed = in_fresh_process("speed", cfg)
     loop_s, sft_s = speed["loop_s"], speed["sft_s"]
     env_speedup = env_parallel_speedup()
     # CPU memory: a freed tensor leaves the resident set at once, in the processes started below
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    loop_mem, sft_mem, chunk_mem, full_mem = [in_fresh_process(name, cfg)
-                                              for name in ("loop", "sft", "chunked", "full")]
+    loop_mem, sft_mem, chunk_mem, full_mem, passes_mem, slices_mem = [
+        in_fresh_process(name, cfg) for name in ("loop", "sft", "chunked", "full", "passes", "slices")]
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name()
     else:
@@ -294,6 +335,12 @@ def bench(cfg):
             "uneven_prefill_ratio": round(speed["uneven_prefill_ratio"], 3),  # uneven rows
             "uneven_rollout_seconds": round(speed["uneven_rollout_s"], 2),  # 8 x 6 turns, uneven
             "env_parallel_speedup": round(env_speedup, 2),  # 4 steps of 1 s: one by one / together
+            # one minibatch of a rollout of 2,000 tokens and 15 of 120-400:
+            "passes_padding": round(speed["passes_padding"], 3),  # infra.passes: cells / tokens
+            "slices_padding": round(speed["slices_padding"], 3),  # slices of 4 rollouts (before)
+            "passes_speedup": round(speed["passes_speedup"], 2),  # backward seconds, slices / passes
+            "passes_peak_mem_mb": round(passes_mem / 2**20, 1),
+            "slices_peak_mem_mb": round(slices_mem / 2**20, 1),
             "update_peak_mem_mb": round(loop_mem / 2**20, 1),
             "sft_peak_mem_mb": round(sft_mem / 2**20, 1),
             "update_seconds": round(loop_s, 3),
