@@ -64,8 +64,9 @@ def say(text):
 class Console:
     """stdout or stderr, whose reader went away (| head, a closed terminal) or never was (>&-)."""
 
-    def __init__(self, stream):  # (a Console's own stream: Console(Console(x)) is Console(x))
-        self.stream = getattr(stream, "stream", stream) or open(os.devnull, "w")
+    def __init__(self, stream):  # (None: closed from the start)
+        stream = stream.stream if isinstance(stream, Console) else stream
+        self.stream = stream or open(os.devnull, "w")
 
     def __getattr__(self, name):  # write and flush guarded, the rest the stream's
         value = getattr(self.stream, name)
@@ -401,8 +402,7 @@ class Hosted:
         with Hosted.idle_lock:  # the first world's thread starts the forkserver for all
             if not Hosted.forkserver_started:
                 ctx.set_forkserver_preload(["loop", self.World.__module__, *preloads(self.World)])
-                # which imports them on its own sys.path: PYTHONPATH the trainer's, for the while
-                path = os.pathsep.join(filter(None, sys.path))
+                path = os.pathsep.join(filter(None, sys.path))  # it imports them on our sys.path
                 with unittest.mock.patch.dict(os.environ, PYTHONPATH=path):
                     multiprocessing.forkserver.ensure_running()
                 Hosted.forkserver_started = True

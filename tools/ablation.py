@@ -55,9 +55,9 @@ def run_once(run, iterations, flags):
     flags = [*flags, "--iterations", str(iterations), "--out", run]
     if not os.path.exists(os.path.join(run, "config.json")):
         return loop.main(flags)
-    given = dataclasses.asdict(loop.parse_config(flags))
-    if key := mismatch(settings(run), given, ignore=("iterations", "out", "resume", "track")):
-        infra.die(f"{run} was run with {key} = {settings(run)[key]!r}, and this sweep gives it "
+    recorded, given = settings(run), dataclasses.asdict(loop.parse_config(flags))
+    if key := mismatch(recorded, given, ignore=("iterations", "out", "resume", "track")):
+        infra.die(f"{run} was run with {key} = {recorded.get(key)!r}, and this sweep gives it "
                   f"{given[key]!r}: give the sweep's settings as they were, or another --out")
     if infra.trained_to(os.path.join(run, "model")) != iterations:
         loop.main(["--resume", run, "--iterations", str(iterations)])
