@@ -3623,6 +3623,19 @@ def test_tiny_world_long_tasks_chain_three_apps_and_give_credit_toward_the_whole
     assert "calendar" not in short.messages()[0]["content"] and "calendar" not in short.api
 
 
+def test_no_short_family_solution_earns_a_long_task():
+    """A long task needs its chain: the short families' solutions (the last payer, paid what they
+    paid; the top of my wishlist; the last payer's extension) fail every long task. Before, the
+    person met next was the last payer, for the same amount, in 9 of the 36 repay tasks."""
+    tasks = tiny_world.TinyWorld.tasks("long-train") + tiny_world.TinyWorld.tasks("long-test")
+    solution = play.read_solution(os.path.join(HERE, "assets", "tiny_solution.md"), tiny_world.TinyWorld.tasks("test"))
+    assert sorted(solution) == ["order", "payback", "phone"]
+    for family in ("order", "payback", "phone"):
+        for task in tasks:
+            passed, total = _run(task, *solution[family])[2]
+            assert passed < total, (family, task)
+
+
 def test_tiny_world_no_fixed_api_guess_solves_more_than_a_few_tasks():
     """Each world names its APIs anew, so only the docs tell which to call."""
     tasks = tiny_world.TinyWorld.tasks("train") + tiny_world.TinyWorld.tasks("test")

@@ -155,16 +155,18 @@ class TinyWorld:
         self.api = dict(zip(self.APPS.values(), words[4:7]))
         self.wishlist = words[7:]  # top first
         self.phones = dict(zip(people, map(int, rng.sample(values["numbers"], 4))))
-        amounts = map(int, rng.sample(values["numbers"], 2))
+        amounts = list(map(int, rng.sample(values["numbers"], 2)))
         self.payments = list(zip(people[:2], amounts))  # latest first
         self.apps = list(self.APPS.values())
         if self.family in self.CHAINS:  # the long families' apps and state, drawn after the rest
             more = rng.sample([word for word in values["words"] if word not in words], 15)
             self.apps = ["calendar", "gifts", "ledger", *self.apps]
             self.api |= dict(zip(self.apps[:3], more))
-            self.meetings = rng.sample(people, 3)  # the next first
+            # the next first, never a payer: payments() alone must not tell whom or how much to pay
+            first = rng.choice(people[2:])
+            self.meetings = [first, *rng.sample([who for who in people if who != first], 2)]
             self.gifts = {who: more[3 + 3 * i:6 + 3 * i] for i, who in enumerate(people)}
-            paid = map(int, rng.sample(values["numbers"], 4))
+            paid = rng.sample([n for n in map(int, values["numbers"]) if n not in amounts], 4)
             self.ledger = dict(zip(people, paid)) | dict(self.payments)  # the last, as payments()
         self.instruction = self.FAMILIES[self.family]
         self.transfers = []
