@@ -47,7 +47,6 @@ class AppWorldEnv:
         from appworld import AppWorld
         self.world = AppWorld(task_id=task_id, experiment_name=experiment,
                               timeout_seconds=int(max(1, timeout)))
-        self.done = False
 
     def messages(self):
         task = self.world.task
@@ -57,9 +56,9 @@ class AppWorldEnv:
         return [{"role": "system", "content": self.PROMPT}, {"role": "user", "content": opening}]
 
     def step(self, code):
-        output = self.world.execute(code)
-        self.done = self.world.task_completed()
-        return output
+        return self.world.execute(code)
+
+    done = property(lambda self: self.world.task_completed())  # the interface's env.done
 
     def evaluate(self):
         tracker = self.world.evaluate()

@@ -960,9 +960,12 @@ class Log:
         if "wandb" in names:
             import wandb
             configured = os.environ.get("WANDB_MODE") or wandb.api.api_key  # else offline
+            kept = os.path.join(run_dir, "wandb_id")  # the run's wandb run: a resume continues it
+            if not os.path.exists(kept):
+                write_atomically(kept, os.urandom(8).hex())
             self.wandb = wandb.init(project="loop", dir=run_dir, config=dataclasses.asdict(cfg),
                                     name=os.path.basename(os.path.abspath(run_dir)),
-                                    id=wandb_id(run_dir), resume="allow",
+                                    id=pathlib.Path(kept).read_text(), resume="allow",
                                     mode=None if configured else "offline")
 
     def __call__(self, row):
@@ -978,13 +981,6 @@ class Log:
             self.tensorboard.flush()
         if self.wandb:
             self.wandb.log(scalars, step=row["iteration"])
-
-def wandb_id(run_dir):
-    """The wandb run of a run directory, kept in it: a resume continues that run."""
-    path = os.path.join(run_dir, "wandb_id")
-    if not os.path.exists(path):
-        write_atomically(path, os.urandom(8).hex())
-    return pathlib.Path(path).read_text()
 
 def summary(row):
     """The console's line for a metrics row: the numbers to watch (metrics.jsonl has them all)."""

@@ -45,7 +45,7 @@ def setting(default, doc, at_least=None, at_most=None, choices=None):
     rule = {"at_least": at_least, "at_most": at_most, "choices": choices}
     return dataclasses.field(default=default, metadata={"doc": doc, **rule})
 
-RATIOS = ["token", "turn", "trajectory", "none"]  # --ratio: LOOP, and the paper's variants
+RATIOS = ["token", "turn", "trajectory", "none"]  # --ratio: LOOP (Eq. 5), Table 1's variants
 @dataclasses.dataclass
 class Config:
     # the run
@@ -70,10 +70,11 @@ class Config:
     weight_decay: float = setting(0.01, "AdamW weight decay (reference code: 0.01).", at_least=0)
     grad_clip: float = setting(1.0, "Gradient-norm clip (paper: 1.0; reference code: 0.1).")
     epochs: int = setting(2, "Passes over an iteration's rollouts (paper: 2).")
-    minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32).")
+    minibatch_size: int = setting(32, "Rollouts per optimiser step, across tasks (paper: 32); "
+                                  "0: all those an iteration uses.", at_least=0)
     clip_eps: float = setting(0.1, "Ratio clip [1/(1+eps), 1+eps] (paper: [1-eps, 1+eps]).")
-    ratio: str = setting("token", "Importance ratio: token (Eq. 5), turn, trajectory, none (RLOO).",
-                         choices=RATIOS)
+    ratio: str = setting("token", "Importance ratio: token (Eq. 5), turn, trajectory, none (no "
+                         "ratio; RLOO with --epochs 1 --minibatch-size 0).", choices=RATIOS)
     normalize_rewards: bool = setting(False, "Divide each A by its group's std (RwNorm, not LOOP).")
     min_abs_advantage: float = setting(0.01, "Rollouts with |A| below it are dropped.", at_least=0)
     max_kl: float = setting(20.0, "Abandon an iteration at a minibatch whose |KL| (a rollout's "
@@ -277,7 +278,7 @@ def loop_loss(logp, old_logp, adv, mask, turn_of, ratio="token", eps=0.1):
     mask = mask.to(logp.dtype)
     n = mask.sum(1).clamp(min=1)
     a = adv[:, None]
-    if ratio == "none":  # on-policy RLOO: -A * mean log p
+    if ratio == "none":  # RLOO's -A * mean log p: no ratio, so sound only on-policy (one step)
         return -(adv * (logp * mask).sum(1) / n), torch.zeros_like(adv)
     log_r = (logp - old_logp) * mask
     if ratio == "turn":  # one ratio per assistant turn, shared by that turn's tokens
@@ -376,7 +377,8 @@ def update(model, opt, episodes, advantages, cfg):
         order = random.sample(used, len(used))
         for passes, size in minibatches(order, counts, episodes, cfg):
             opt.zero_grad(set_to_none=True)
-            totals, all_clipped = minibatch_backward(model, episodes, passes, old, advantages, cfg)
+            totals, all_clipped = minibatch_backward(model, episodes, passes, old, advantages, cfg,
+                                                     size)
             sums.update(cells=totals["cells"], tokens=totals["tokens"])  # padding included: cells
             kls.append(totals["kl"] / size)
             if abs(kls[-1]) > cfg.max_kl:  # the policy moved too far: stop using these rollouts
@@ -393,7 +395,7 @@ def update(model, opt, episodes, advantages, cfg):
                 continue
             opt.step()
             stats["steps"] += 1
-            sums.update(loss=totals["loss"] / cfg.minibatch_size, norm=norm.item(),
+            sums.update(loss=totals["loss"], norm=norm.item(),
                         clipped=totals["clipped"], outputs=totals["outputs"])
             whole.update(all_clipped)
         if stats["abandoned"]:
@@ -408,8 +410,8 @@ def update(model, opt, episodes, advantages, cfg):
 
 def minibatches(order, counts, episodes, cfg):
     """Each minibatch as this rank's passes (infra.passes: similar lengths), and its size over all
-    ranks: under FSDP each takes its share from its own rollouts (`counts`: every rank's)."""
-    share = math.ceil(cfg.minibatch_size / infra.WORLD)
+    ranks: under FSDP each takes its share (size 0: all) of its own rollouts (`counts`: each's)."""
+    share = math.ceil(cfg.minibatch_size / infra.WORLD) if cfg.minibatch_size else max(counts)
     for j in range(max(math.ceil(n / share) for n in counts)):
         size = sum(min(share, max(0, n - j * share)) for n in counts)
         mine = order[j * share:(j + 1) * share]
@@ -427,9 +429,10 @@ def old_logprobs(model, episodes, used, cfg):
             old[i] = logp[:len(episodes[i].ids) - 1]
     return old
 
-def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
+def minibatch_backward(model, episodes, chunks, old, advantages, cfg, size):
     """Accumulate one minibatch's gradient over its passes; returns the sums over ranks of loss, KL
     estimate, clipped and output tokens, cells and tokens, and this rank's rollouts all clipped."""
+    divisor = cfg.minibatch_size or size  # reference code: a constant, or all the rollouts used
     totals, all_clipped = [0.0, 0.0, 0, 0, 0, 0], []
     for chunk in chunks:
         ids, attn, is_output, turn_of = pad_batch([episodes[i] for i in chunk])
@@ -442,11 +445,11 @@ def minibatch_backward(model, episodes, chunks, old, advantages, cfg):
         mask = is_output[:, 1:] & attn[:, 1:].bool()  # targets x_1.. that the policy sampled
         per_rollout, n_clipped = loop_loss(logp, old_logp, adv, mask, turn_of[:, 1:], cfg.ratio,
                                            cfg.clip_eps)
-        # sum over rollouts / minibatch size; x world because FSDP averages gradients over ranks
-        (per_rollout.sum() * infra.WORLD / cfg.minibatch_size).backward()
+        loss = per_rollout.sum() / divisor
+        (loss * infra.WORLD).backward()  # x world because FSDP averages gradients over ranks
         kl = -((logp - old_logp) * mask).sum()
-        step = [per_rollout.sum().item(), kl.item(), n_clipped.sum().item(), mask.sum().item(),
-                ids.numel(), attn.sum().item()]
+        step = [loss.item(), kl.item(), n_clipped.sum().item(), mask.sum().item(), ids.numel(),
+                attn.sum().item()]
         totals = [a + b for a, b in zip(totals, step)]
         outputs = mask.sum(1).tolist()
         all_clipped += [i for i, k, n in zip(chunk, n_clipped.tolist(), outputs) if k == n > 0]

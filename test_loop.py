@@ -1,6 +1,7 @@
 """Tests for loop.py: hand-computed advantages and objectives, masks, token bookkeeping, the tiny
 world, config errors and an end-to-end smoke run. All offline; run with `python -m pytest -q`."""
 import collections
+import copy
 import dataclasses
 import functools
 import json
@@ -1376,11 +1377,13 @@ def _model_and_adamw(lora, fsdp=False, flags=()):
     return cfg, model, tok, opt
 
 
-def _update_once(lora, fsdp=False, rollout_first=False):
+def _update_once(lora, fsdp=False, rollout_first=False, flags=()):
     """One optimizer step on 8 synthetic rollouts (split by rank under FSDP), after a rollout
-    that kept the weights gathered if rollout_first; returns a summary, the model and the optimizer."""
-    cfg, model, tok, opt = _model_and_adamw(lora, fsdp, ["--rollout-full-weights"] * rollout_first)
+    that kept the weights gathered if rollout_first; returns a summary, the model and the optimizer.
+    With flags, the last rollout (rank 1's under FSDP) has no signal: 4 rollouts used, and 3."""
+    cfg, model, tok, opt = _model_and_adamw(lora, fsdp, ["--rollout-full-weights"] * rollout_first + list(flags))
     eps, adv = _synthetic_episodes(Chat(tok))
+    adv[7] = 0.0 if flags else adv[7]
     if rollout_first:
         loop.rollout(model, Chat(tok), [_Scripted(2)], ["x"], cfg, 1.0, 2)
     rank, world = (infra.RANK, infra.WORLD)
@@ -1403,6 +1406,7 @@ def _fsdp_worker(out):
     result["after_rollout"] = _update_once(False, fsdp=True, rollout_first=True)[0]
     result["lora_after_rollout"] = _update_once(True, fsdp=True, rollout_first=True)[0]
     result["gathers"] = _count_all_gathers_in_rollouts()
+    result["rloo"] = _update_once(False, fsdp=True, flags=RLOO)[0]
     result["full"], model, opt = _update_once(False, fsdp=True)
     folder = os.path.dirname(out)
     infra.save_checkpoint(folder, model, opt, 1, loop.parse_config(UPDATE_FLAGS))
@@ -1468,6 +1472,12 @@ def test_fsdp_two_ranks_match_one_process_and_do_not_deadlock(tmp_path):
             assert got["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
             assert abs(got["local_params"] / got["params"] - 0.5) < 0.02  # each rank holds half
     assert ranks[0]["turns"] == [1] and ranks[1]["turns"] == [4, 2, 3]
+    # The paper's RLOO, with 4 rollouts used on one rank and 3 on the other: one step, the mean of 7.
+    single = _update_once(False, flags=RLOO)[0]
+    for rank in ranks:
+        assert rank["rloo"]["steps"] == single["steps"] == 1
+        assert rank["rloo"]["loss"] == pytest.approx(single["loss"], rel=1e-4, abs=1e-6)
+        assert rank["rloo"]["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
     # After a rollout that kept the weights gathered, the update is still the one-process update.
     for kind, lora in (("after_rollout", False), ("lora_after_rollout", True)):
         single = _update_once(lora)[0]
@@ -1564,7 +1574,7 @@ def test_a_minibatch_in_passes_by_tokens_has_the_gradient_of_one_in_passes_by_ro
     for layout in (passes, [[0, 1, 2, 3], [4, 5, 6, 7], [8]], [list(range(9))]):
         model.zero_grad(set_to_none=True)
         model.train()
-        totals, _ = loop.minibatch_backward(model, eps, layout, old, advantages, cfg)
+        totals, _ = loop.minibatch_backward(model, eps, layout, old, advantages, cfg, 9)
         results.append(([totals[key] for key in ("loss", "kl", "clipped", "outputs")],
                         [p.grad.clone() for p in model.parameters()]))
     if kind != "none":
@@ -1573,6 +1583,35 @@ def test_a_minibatch_in_passes_by_tokens_has_the_gradient_of_one_in_passes_by_ro
         assert totals == pytest.approx(results[0][0], rel=1e-5, abs=1e-6)
         for a, b in zip(grads, results[0][1]):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max(), ((a - b).abs().max(), b.abs().max())
+
+
+RLOO = ["--ratio", "none", "--epochs", "1", "--minibatch-size", "0"]  # the paper's on-policy RLOO
+
+
+def test_the_papers_rloo_takes_one_step_an_iteration_along_the_mean_gradient_of_every_rollout_used():
+    """--ratio none --epochs 1 --minibatch-size 0 (the reference code's strictly_on_policy): one
+    minibatch of every rollout used, divided by their number (7 here: one has no signal), one step.
+    SGD at lr 100 without a clip: the step is -100 x the gradient of -1/7 sum_i A_i mean_t log p."""
+    cfg = loop.parse_config(UPDATE_FLAGS + RLOO + ["--grad-clip", "1e9", "--minibatch-size", "0"])
+    model, tok = infra.load_model_and_tokenizer(cfg)
+    eps, adv = _synthetic_episodes(Chat(tok))
+    adv[3] = 0.005
+    expected = copy.deepcopy(model)
+    losses = []
+    for e, a in zip(eps, adv.tolist()):
+        ids, attn, is_out, _ = loop.pad_batch([e])
+        if abs(a) >= cfg.min_abs_advantage:
+            losses.append(-a * infra.token_logprobs(expected, ids, attn, 1.0)[is_out[:, 1:]].mean())
+    (sum(losses) / 7).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = loop.update(model, torch.optim.SGD(model.parameters(), lr=100.0), eps, adv, cfg)
+    assert stats["steps"] == 1 and stats["rollouts_used"] == len(losses) == 7 and stats["kl"] == 0
+    assert stats["loss"] == pytest.approx(sum(losses).item() / 7, rel=1e-5)
+    for p, b, q in zip(model.parameters(), before, expected.parameters()):
+        assert torch.allclose((b - p) / 100, q.grad, atol=1e-4 * q.grad.abs().max().item())
+    two = loop.update(model, torch.optim.SGD(model.parameters(), lr=0.0), eps, adv,
+                      dataclasses.replace(cfg, minibatch_size=4))
+    assert two["steps"] == 2  # LOOP's schedule over the same 7: steps of 4 and 3
 
 
 def _step_norm(model, before):
@@ -1597,7 +1636,7 @@ def test_the_empty_pass_of_a_rank_without_rollouts_is_valid_for_every_ratio(kind
     collectives: it must give a zero loss and no gradient for every ratio (--ratio turn raised)."""
     cfg = loop.parse_config(UPDATE_FLAGS + ["--ratio", kind])
     model, tok = infra.load_model_and_tokenizer(cfg)
-    totals, all_clipped = loop.minibatch_backward(model, [], [[]], {}, torch.zeros(0), cfg)
+    totals, all_clipped = loop.minibatch_backward(model, [], [[]], {}, torch.zeros(0), cfg, cfg.minibatch_size)
     assert totals == {"loss": 0.0, "kl": 0.0, "clipped": 0, "outputs": 0, "cells": 2, "tokens": 2} and all_clipped == []
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
@@ -4201,8 +4240,9 @@ def _fake_runs(root):
         (root / name / "config.json").write_text(json.dumps(cfg))
         rows = [{"iteration": 20 if evaluation else 10 * i, "split": "test", "tgc": t, "sgc": g, "seconds": 20.0}
                 for i, (t, g) in enumerate(zip(tgc, sgc))] + [
-                    {"iteration": i + 1, "clip_fraction": c, "clipped_rollouts": c / 2, "kl": 2 * c,
-                     "tokens_mean": 300 if ratio == "token" else 400, "seconds": 70.0} for i, c in enumerate(clip)]
+                    {"iteration": i + 1, "clip_fraction": c, "clipped_rollouts": c / 2, "kl": 2 * c, "success_rate": 1 - c,
+                     "steps": i + 1, "tokens_mean": 300 if ratio == "token" else 400, "seconds": 70.0}
+                    for i, c in enumerate(clip)]
         (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with open(root / "token-1" / "metrics.jsonl", "a") as fh:
         fh.write('{"iteration": 21, "clip_fr')  # a line cut short by a kill: left out
@@ -4218,16 +4258,19 @@ def test_ablation_report_by_hand(tmp_path, capsys):
     # min-max over seeds; per-turn's AUC minus LOOP's on the same seed: 5 - 52.5 and 15 - 32.5. KL
     # is twice the clip fraction in these rows, the rollouts clipped whole half; the time is the
     # rows' seconds summed, 3 x 20 + 2 x 70. LOOP beats per-turn on both seeds: sign test p = 1/4.
+    # The training success is 1 - clip fraction in these rows, its AUC their mean: LOOP 0 80%, LOOP 1
+    # 90%, per-turn 50% and 50%; the steps are 1 and 2, a mean of 1.5.
     rows = capsys.readouterr().out.splitlines()
     assert rows[2:4] == [
-        "| per-token (LOOP) | 2 | 15.0 (10-20) | 20.0 (20-20), 1 never | 42.5 (32.5-52.5) | - | 70.0 (50.0-90.0) | "
-        "33.3 (33.3-33.3) | 0.150 (0.100-0.200) | 0.075 (0.050-0.100) | 0.300 (0.200-0.400) | 300 | 200 |",
-        "| per-turn | 2 | never | never | 10.0 (5.0-15.0) | -32.5 (-47.5 to -17.5) | 30.0 (20.0-40.0) | 16.7 (0.0-33.3) | "
-        "0.500 (0.500-0.500) | 0.250 (0.250-0.250) | 1.000 (1.000-1.000) | 400 | 200 |"]
-    assert rows[7:11] == ["| per-token (LOOP) | 0 | 10 | 20 | 52.5 | - | 90.0 | 33.3 | 0.200 | 0.100 | 0.400 | 200 |",
-                          "| per-token (LOOP) | 1 | 20 | - | 32.5 | - | 50.0 | 33.3 | 0.100 | 0.050 | 0.200 | 200 |",
-                          "| per-turn | 0 | - | - | 5.0 | -47.5 | 20.0 | 0.0 | 0.500 | 0.250 | 1.000 | 200 |",
-                          "| per-turn | 1 | - | - | 15.0 | -17.5 | 40.0 | 33.3 | 0.500 | 0.250 | 1.000 | 200 |"]
+        "| per-token (LOOP) | 2 | 15.0 (10-20) | 20.0 (20-20), 1 never | 42.5 (32.5-52.5) | - | 85.0 (80.0-90.0) | "
+        "70.0 (50.0-90.0) | 33.3 (33.3-33.3) | 1.5 | 0.150 (0.100-0.200) | 0.075 (0.050-0.100) | 0.300 (0.200-0.400) | "
+        "300 | 200 |",
+        "| per-turn | 2 | never | never | 10.0 (5.0-15.0) | -32.5 (-47.5 to -17.5) | 50.0 (50.0-50.0) | 30.0 (20.0-40.0) | "
+        "16.7 (0.0-33.3) | 1.5 | 0.500 (0.500-0.500) | 0.250 (0.250-0.250) | 1.000 (1.000-1.000) | 400 | 200 |"]
+    assert rows[7:11] == ["| per-token (LOOP) | 0 | 10 | 20 | 52.5 | - | 80.0 | 90.0 | 33.3 | 0.200 | 0.100 | 0.400 | 200 |",
+                          "| per-token (LOOP) | 1 | 20 | - | 32.5 | - | 90.0 | 50.0 | 33.3 | 0.100 | 0.050 | 0.200 | 200 |",
+                          "| per-turn | 0 | - | - | 5.0 | -47.5 | 50.0 | 20.0 | 0.0 | 0.500 | 0.250 | 1.000 | 200 |",
+                          "| per-turn | 1 | - | - | 15.0 | -17.5 | 50.0 | 40.0 | 33.3 | 0.500 | 0.250 | 1.000 | 200 |"]
     assert rows[14:] == ["| per-token (LOOP) > per-turn | 2 of 2 | +32.5 | 0.250 |"]
     assert (tmp_path / "ablation.md").read_text().splitlines() == rows
 
@@ -4244,6 +4287,12 @@ def test_a_report_of_runs_whose_settings_differ_in_more_than_variant_and_seed_is
                                             "eval_max_turns (None, 10), not only in the variant and the seed: "
                                             "report each setting's runs from a folder of their own\n")
     assert not (tmp_path / "ablation.md").exists()
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"eval_max_turns": None, "ratio": "token"}))
+    with pytest.raises(SystemExit) as stop:  # a folder named per-turn of a per-token run
+        ablation.main(["--report", str(tmp_path)])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"error: --report: turn-1 under {tmp_path} is no run of a variant (VARIANT-SEED, its settings the "
+        "variant's: token, turn, trajectory, rloo, none, rwnorm)\n")
 
 
 def test_ablation_report_draws_learning_curves(tmp_path):
@@ -4274,15 +4323,17 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     monkeypatch.setattr(loop, "main", counted)
     ablation.main(["--seeds", "0", "--iterations", "2", "--out=~/sweep", *quick])
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
-    assert names == ["none-0", "rwnorm-0", "token-0", "trajectory-0", "turn-0"] and len(calls) == 5
+    assert names == ["none-0", "rloo-0", "rwnorm-0", "token-0", "trajectory-0", "turn-0"] and len(calls) == 6
     for name in names:
         cfg = json.loads((tmp_path / name / "config.json").read_text())
         assert cfg["model"] == SHIPPED and cfg["iterations"] == 2 and cfg["seed"] == 0
         assert [r["iteration"] for r in infra.read_metrics(tmp_path / name / "metrics.jsonl")] == [0, 1, 2, 2]
     assert json.loads((tmp_path / "rwnorm-0" / "config.json").read_text())["normalize_rewards"]
     assert json.loads((tmp_path / "none-0" / "config.json").read_text())["ratio"] == "none"
+    rloo = json.loads((tmp_path / "rloo-0" / "config.json").read_text())
+    assert (rloo["ratio"], rloo["epochs"], rloo["minibatch_size"]) == ("none", 1, 0)
     table = (tmp_path / "ablation.md").read_text().splitlines()
-    assert len(table) == 23 and table[2].startswith("| per-token (LOOP) | 1 |")
+    assert len(table) == 26 and table[2].startswith("| per-token (LOOP) | 1 |")
     said = capsys.readouterr().err  # the commands a run prints do what they say: loop.py's
     assert (f"python {os.path.join(HERE, 'loop.py')} --tiny --eval-max-turns=1 --max-new-tokens=8 --eval --model "
             f"{tmp_path / 'none-0' / 'model'}") in said
@@ -4294,7 +4345,7 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     assert stop.value.code == 2 and err == (f"error: {tmp_path / 'token-0'} was run with eval_max_turns = 1, and this "
                                             "sweep gives it 2: give the sweep's settings as they were, or another "
                                             "--out\n")
-    assert _files(tmp_path) == before and len(calls) == 5
+    assert _files(tmp_path) == before and len(calls) == 6
     # an evaluation of a run's model, written beside the runs, is no seed of the report
     main(["--tiny", "--eval", "--model", str(tmp_path / "token-0" / "model"), "--iterations", "2", "--out",
           str(tmp_path / "eval-token-0")])

@@ -162,8 +162,7 @@ class TinyWorld:
             more = rng.sample([word for word in values["words"] if word not in words], 15)
             self.apps = ["calendar", "gifts", "ledger", *self.apps]
             self.api |= dict(zip(self.apps[:3], more))
-            # the next first, never a payer: payments() alone must not tell whom or how much to pay
-            first = rng.choice(people[2:])
+            first = rng.choice(people[2:])  # the next, never a payer: payments() cannot tell
             self.meetings = [first, *rng.sample([who for who in people if who != first], 2)]
             self.gifts = {who: more[3 + 3 * i:6 + 3 * i] for i, who in enumerate(people)}
             paid = rng.sample([n for n in map(int, values["numbers"]) if n not in amounts], 4)

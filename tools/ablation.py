@@ -1,8 +1,11 @@
-"""The paper's Table 1 ablation in miniature: five variants of the objective on the tiny world.
+"""The paper's Table 1 ablation in miniature: variants of the objective on the tiny world.
 
-    # long tasks (long-test), off-policy updates: 8 tasks x 6 rollouts in minibatches of 4
+    # long tasks (long-test), off-policy updates: 8 tasks x 6 rollouts in minibatches of 4; every
+    # variant over seeds 0-4, then the three ratios (run names: the keys of VARIANTS) over 5-9
     python tools/ablation.py --seeds 0 1 2 3 4 --iterations 30 --config tools/ablation_long.json \
         --out runs/ablation-long
+    python tools/ablation.py --seeds 5 6 7 8 9 --variants token turn trajectory --iterations 30 \
+        --config tools/ablation_long.json --out runs/ablation-long
     # where learning is not saturated: 2 tasks x 6 rollouts an iteration at lr 1.5e-5
     python tools/ablation.py --seeds 0 1 2 3 4 --iterations 45 --config tools/ablation_hard.json \
         --out runs/ablation-hard
@@ -30,20 +33,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import infra  # noqa: E402
 import loop  # noqa: E402
 
-VARIANTS = {  # (ratio, normalize_rewards): (run name, label)
-    ("token", False): ("token", "per-token (LOOP)"),
-    ("turn", False): ("turn", "per-turn"),
-    ("trajectory", False): ("trajectory", "per-trajectory"),
-    ("none", False): ("none", "RLOO, on-policy"),
-    ("token", True): ("rwnorm", "per-token + RwNorm"),
+VARIANTS = {  # run name: (the settings it changes, its label)
+    "token": ({"ratio": "token"}, "per-token (LOOP)"),
+    "turn": ({"ratio": "turn"}, "per-turn"),
+    "trajectory": ({"ratio": "trajectory"}, "per-trajectory"),
+    # the paper's RLOO: the reference code's strictly_on_policy, one step an iteration
+    "rloo": ({"ratio": "none", "epochs": 1, "minibatch_size": 0}, "RLOO, on-policy"),
+    # RLOO's loss on the PPO schedule: every step after an iteration's first on stale samples
+    "none": ({"ratio": "none"}, "RLOO's loss, PPO's steps"),
+    "rwnorm": ({"ratio": "token", "normalize_rewards": True}, "per-token + RwNorm"),
 }
 
 
-def sweep(seeds, iterations, root, extra):
+def sweep(seeds, iterations, root, variants, extra):
     """The variant runs that are not finished yet, one after another in this process."""
     for seed in seeds:
-        for (ratio, normalize), (name, _) in VARIANTS.items():
-            flags = ["--ratio", ratio] + (["--normalize-rewards"] if normalize else [])
+        for name in variants:
+            flags = [infra.as_flag(key, value) for key, value in VARIANTS[name][0].items()]
             run = os.path.join(root, f"{name}-{seed}")
             run_once(run, iterations, ["--tiny", "--seed", str(seed), *flags, *extra])
 
@@ -76,30 +82,37 @@ def mismatch(a, b, ignore):
 
 
 def finished_runs(root):
-    """{(ratio, normalize_rewards): [(seed, evaluations by iteration, training rows), ...]} of the
-    runs under root that reached their last iteration; evaluation-only runs and others are left
-    out. Runs whose settings differ in more than the variant and the seed are one line."""
-    runs, first = {}, None
+    """{variant: [(seed, evaluations by iteration, training rows), ...]} of the runs under root
+    (named VARIANT-SEED, as the sweep names them) that reached their last iteration;
+    evaluation-only runs and others are left out. A run whose settings are not its variant's, or
+    differ from another's in more than the variant and the seed, is one line."""
+    found = []
     for name in sorted(os.listdir(root)):
         config = os.path.join(root, name, "config.json")
         metrics = os.path.join(root, name, "metrics.jsonl")
         if not (os.path.exists(config) and os.path.exists(metrics)):
             continue  # not a run directory
         cfg = settings(os.path.join(root, name))
-        if cfg["eval"]:
-            continue
-        first = first or (name, cfg)
-        if key := mismatch(first[1], cfg, ignore=("ratio", "normalize_rewards", "seed", "out",
-                                                  "track")):
-            infra.die(f"--report: {first[0]} and {name} under {root} differ in {key} ("
-                      f"{first[1].get(key)!r}, {cfg.get(key)!r}), not only in the variant and "
-                      "the seed: report each setting's runs from a folder of their own")
+        variant = name.rsplit("-", 1)[0]
+        changes = VARIANTS.get(variant, ({}, ""))[0]
+        if not cfg["eval"] and (not changes or mismatch(changes, cfg, cfg.keys() - changes.keys())):
+            infra.die(f"--report: {name} under {root} is no run of a variant (VARIANT-SEED, its "
+                      f"settings the variant's: {', '.join(VARIANTS)})")
+        found += [] if cfg["eval"] else [(name, cfg, variant, metrics)]
+    keys = set().union(*(cfg for _, cfg, _, _ in found)) - {"seed", "out", "track"}
+    seen, runs = {}, {}
+    for name, cfg, variant, metrics in found:
+        for key in sorted(keys - VARIANTS[variant][0].keys()):
+            other, value = seen.setdefault(key, (name, cfg.get(key)))
+            if value != cfg.get(key):
+                infra.die(f"--report: {other} and {name} under {root} differ in {key} ({value!r}, "
+                          f"{cfg.get(key)!r}), not only in the variant and the seed: report "
+                          "each setting's runs from a folder of their own")
         rows = infra.read_metrics(metrics)
         curve = {r["iteration"]: r for r in rows if "split" in r}
         if cfg["iterations"] and max(curve, default=-1) == cfg["iterations"]:
             training = [r for r in rows if "split" not in r]
-            key = (cfg["ratio"], cfg["normalize_rewards"])
-            runs.setdefault(key, []).append((cfg["seed"], curve, training))
+            runs.setdefault(variant, []).append((cfg["seed"], curve, training))
     for seeds in runs.values():
         seeds.sort(key=lambda run: run[0])
     return runs
@@ -108,9 +121,11 @@ def finished_runs(root):
 def seed_figures(curve, training):
     """One run's figures: the first evaluation at which held-out TGC reaches 50% and 80% (None if
     it never does), the area under the TGC curve as a share of the perfect one (trapezoids over the
-    evaluations: 1.0 is 100% from the start), final TGC and SGC, the clip fraction, the share of
-    rollouts clipped whole, the KL estimate and the tokens per trajectory (means over iterations)
-    and its time (its rows' seconds summed)."""
+    evaluations: 1.0 is 100% from the start), final TGC and SGC; over the training iterations, the
+    training rollouts' success (its area: the mean over iterations, as it does not jump a family
+    at once as greedy TGC does), and means of optimiser steps, the clip fraction, the share of
+    rollouts clipped whole, the KL estimate and the tokens per trajectory; its time (its rows'
+    seconds summed)."""
     its = sorted(curve)
     tgc = [curve[i]["tgc"] for i in its]
 
@@ -121,6 +136,8 @@ def seed_figures(curve, training):
     return {"to50": first(0.5), "to80": first(0.8),
             "auc": area / (its[-1] - its[0]) if len(its) > 1 else tgc[0],
             "tgc": final["tgc"], "sgc": final["sgc"],
+            "success": loop.mean([r["success_rate"] for r in training]),
+            "steps": loop.mean([r["steps"] for r in training]),
             "clip": loop.mean([r["clip_fraction"] for r in training]),
             "kl": loop.mean([r["kl"] for r in training]),
             "whole": loop.mean([r.get("clipped_rollouts", math.nan) for r in training]),
@@ -145,7 +162,7 @@ def iterations(values):
     return text + (f", {missed} never" if reached and missed else "")
 
 
-def differences(figures, key, base=("token", False)):
+def differences(figures, key, base="token"):
     """The variant's TGC AUC minus `base`'s on each seed both ran, in points: seeds differ more
     than variants do (their tasks and samples differ), so the comparison is made within a seed."""
     if key == base or base not in figures or key not in figures:
@@ -160,10 +177,9 @@ def paired(figures, key):
     return f"{loop.mean(diffs):+.1f} ({min(diffs):+.1f} to {max(diffs):+.1f})" if diffs else "-"
 
 
-CLAIMS = [  # the paper's orderings (Table 1): (better, worse)
-    (("token", False), ("turn", False)), (("turn", False), ("trajectory", False)),
-    (("token", False), ("trajectory", False)), (("token", False), ("none", False)),
-    (("token", False), ("token", True))]
+CLAIMS = [  # (better, worse): the paper's orderings (Table 1), then what the clip buys a reuse
+    ("token", "turn"), ("turn", "trajectory"), ("token", "trajectory"), ("token", "rloo"),
+    ("token", "rwnorm"), ("token", "none")]
 
 
 def verdicts(figures):
@@ -190,28 +206,32 @@ def report(root):
     runs = finished_runs(root)
     if not runs:
         infra.die(f"--report: no finished runs (config.json and metrics.jsonl) under {root}")
-    order = sorted(runs, key=lambda key: list(VARIANTS).index(key) if key in VARIANTS else 99)
+    order = sorted(runs, key=list(VARIANTS).index)
     figures = {key: [{"seed": seed, **seed_figures(curve, rows)} for seed, curve, rows in runs[key]]
                for key in order}
     lines = ["| variant | seeds | iterations to 50% TGC | iterations to 80% TGC | TGC AUC % | "
-             "AUC - LOOP's, same seed | final TGC % | final SGC % | clip fraction | "
-             "rollouts clipped whole | KL | tokens per trajectory | wall s |", "|---" * 13 + "|"]
+             "AUC - LOOP's, same seed | training success AUC % | final TGC % | final SGC % | "
+             "steps an iteration | clip fraction | rollouts clipped whole | KL | "
+             "tokens per trajectory | wall s |", "|---" * 15 + "|"]
     for key in order:
         f = {name: [seed[name] for seed in figures[key]] for name in figures[key][0]}
         lines.append(f"| {label(key)} | {len(f['tgc'])} | {iterations(f['to50'])} | "
                      f"{iterations(f['to80'])} | {pct(f['auc'])} | {paired(figures, key)} | "
-                     f"{pct(f['tgc'])} | {pct(f['sgc'])} | {spread(f['clip'])} | "
+                     f"{pct(f['success'])} | {pct(f['tgc'])} | {pct(f['sgc'])} | "
+                     f"{loop.mean(f['steps']):.1f} | {spread(f['clip'])} | "
                      f"{spread(f['whole'])} | {spread(f['kl'])} | {loop.mean(f['tokens']):.0f} | "
                      f"{loop.mean(f['seconds']):.0f} |")
-    lines += ["", "| variant | seed | to 50% | to 80% | TGC AUC % | AUC - LOOP's | final TGC % | "
-              "final SGC % | clip fraction | clipped whole | KL | wall s |", "|---" * 12 + "|"]
+    lines += ["", "| variant | seed | to 50% | to 80% | TGC AUC % | AUC - LOOP's | success AUC % "
+              "| final TGC % | final SGC % | clip fraction | clipped whole | KL | wall s |",
+              "|---" * 13 + "|"]
     for key in order:
         diffs = differences(figures, key)
         for f in figures[key]:
             to50, to80 = ("-" if f[k] is None else f[k] for k in ("to50", "to80"))
             diff = f"{diffs[f['seed']]:+.1f}" if f["seed"] in diffs else "-"
             lines.append(f"| {label(key)} | {f['seed']} | {to50} | {to80} | {100 * f['auc']:.1f} | "
-                         f"{diff} | {100 * f['tgc']:.1f} | {100 * f['sgc']:.1f} | "
+                         f"{diff} | {100 * f['success']:.1f} | {100 * f['tgc']:.1f} | "
+                         f"{100 * f['sgc']:.1f} | "
                          f"{f['clip']:.3f} | {f['whole']:.3f} | {f['kl']:.3f} | "
                          f"{f['seconds']:.0f} |")
     lines += ["", *verdicts(figures)]
@@ -227,7 +247,7 @@ def report(root):
 
 
 def label(key):
-    return VARIANTS[key][1] if key in VARIANTS else str(key)
+    return VARIANTS[key][1]
 
 
 def plot(root, order, curves, n_seeds):
@@ -244,7 +264,7 @@ def plot(root, order, curves, n_seeds):
         iterations = list(curves[key])
         per_seed = [[100 * tgc for tgc in seeds] for seeds in curves[key].values()]
         ax.plot(iterations, [loop.mean(s) for s in per_seed], label=f"{label(key)}, "
-                f"{n_seeds[key]} seeds", lw=2.5 if key == ("token", False) else 1.5)
+                f"{n_seeds[key]} seeds", lw=2.5 if key == "token" else 1.5)
         ax.fill_between(iterations, [min(s) for s in per_seed], [max(s) for s in per_seed],
                         alpha=0.12)
     ax.set(xlabel="iteration", ylabel="held-out TGC %", ylim=(0, 100),
@@ -260,13 +280,15 @@ def main(argv):
     parser.add_argument("--report", metavar="DIR", type=os.path.expanduser,
                         help="only draw the table and figure of DIR")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                        help="run names of the variants to run, each over every seed")
     parser.add_argument("--iterations", type=int, default=100, help="RL iterations per run")
     parser.add_argument("--out", default="runs/ablation", type=os.path.expanduser,
                         help="directory of the sweep's runs")
     args, extra = parser.parse_known_args(argv)
     if args.report:
         return report(args.report)
-    sweep(args.seeds, args.iterations, args.out, extra)
+    sweep(args.seeds, args.iterations, args.out, args.variants, extra)
     report(args.out)
 
 

@@ -118,7 +118,8 @@ def uneven_minibatch(model, chat, cfg, budget=2048):
 
     def backward(layout):
         model.zero_grad(set_to_none=True)
-        loop.minibatch_backward(model, episodes, layouts[layout], old, advantages, cfg)
+        loop.minibatch_backward(model, episodes, layouts[layout], old, advantages, cfg,
+                                cfg.minibatch_size)
     return episodes, layouts, backward
 
 
