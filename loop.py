@@ -411,7 +411,7 @@ def update(model, opt, episodes, advantages, cfg):
 def minibatches(order, counts, episodes, cfg):
     """Each minibatch as this rank's passes (infra.passes: similar lengths), and its size over all
     ranks: under FSDP each takes its share (size 0: all) of its own rollouts (`counts`: each's)."""
-    share = math.ceil(cfg.minibatch_size / infra.WORLD) if cfg.minibatch_size else max(counts)
+    share = math.ceil(cfg.minibatch_size / infra.WORLD) if cfg.minibatch_size else int(max(counts))
     for j in range(max(math.ceil(n / share) for n in counts)):
         size = sum(min(share, max(0, n - j * share)) for n in counts)
         mine = order[j * share:(j + 1) * share]

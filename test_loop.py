@@ -312,7 +312,7 @@ def test_config_file_errors_are_one_clear_message(tmp_path, capsys, content, mes
 
 @pytest.mark.parametrize("flag, value, allowed", [
     ("--batch-episodes", "0", ">= 1"), ("--eval-every", "0", ">= 1"), ("--tasks-per-iteration", "0", ">= 1"),
-    ("--micro-batch-tokens", "0", ">= 1"), ("--minibatch-size", "0", ">= 1"), ("--max-turns", "0", ">= 1"),
+    ("--micro-batch-tokens", "0", ">= 1"), ("--minibatch-size", "-1", ">= 0"), ("--max-turns", "0", ">= 1"),
     ("--eval-max-turns", "0", ">= 1"), ("--epochs", "0", ">= 1"), ("--iterations", "-1", ">= 0"),
     ("--rollouts-per-task", "1", ">= 2"), ("--max-new-tokens", "0", ">= 1"), ("--max-context", "0", ">= 1"),
     ("--clip-eps", "-0.1", "> 0"), ("--lr", "-1e-5", "> 0"), ("--lr", "0", "> 0"), ("--temperature", "0", "> 0"),
