@@ -1383,7 +1383,8 @@ def _update_once(lora, fsdp=False, rollout_first=False, flags=()):
     With flags, the last rollout (rank 1's under FSDP) has no signal: 4 rollouts used, and 3."""
     cfg, model, tok, opt = _model_and_adamw(lora, fsdp, ["--rollout-full-weights"] * rollout_first + list(flags))
     eps, adv = _synthetic_episodes(Chat(tok))
-    adv[7] = 0.0 if flags else adv[7]
+    if flags:
+        adv[7] = 0.0
     if rollout_first:
         loop.rollout(model, Chat(tok), [_Scripted(2)], ["x"], cfg, 1.0, 2)
     rank, world = (infra.RANK, infra.WORLD)

@@ -93,12 +93,14 @@ def finished_runs(root):
         if not (os.path.exists(config) and os.path.exists(metrics)):
             continue  # not a run directory
         cfg = settings(os.path.join(root, name))
+        if cfg["eval"]:
+            continue
         variant = name.rsplit("-", 1)[0]
         changes = VARIANTS.get(variant, ({}, ""))[0]
-        if not cfg["eval"] and (not changes or mismatch(changes, cfg, cfg.keys() - changes.keys())):
+        if not changes or any(cfg.get(key) != value for key, value in changes.items()):
             infra.die(f"--report: {name} under {root} is no run of a variant (VARIANT-SEED, its "
                       f"settings the variant's: {', '.join(VARIANTS)})")
-        found += [] if cfg["eval"] else [(name, cfg, variant, metrics)]
+        found.append((name, cfg, variant, metrics))
     keys = set().union(*(cfg for _, cfg, _, _ in found)) - {"seed", "out", "track"}
     seen, runs = {}, {}
     for name, cfg, variant, metrics in found:
