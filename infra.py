@@ -171,6 +171,8 @@ def check_resume(args, saved):
         die(f"--eval does not resume a run: evaluate its model with --eval --model "
             f"{os.path.join(args.resume, 'model')}")
 
+RETIRED = {"micro_batch_size": "--micro-batch-tokens bounds the update's passes"}  # older runs'
+
 def read_settings(path, Config, run=""):
     """A JSON object of settings as flags, each checked here (a mistake names the file and key);
     `run`: the run directory whose config.json it is."""
