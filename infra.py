@@ -50,7 +50,11 @@ RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by s
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
 
 def die(message):
-    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
+    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback (whatever
+    becomes of the line); a refused start leaves nothing behind, RUN/trainer neither."""
+    for run_dir in list(HELD):
+        release(run_dir)
+    sys.stderr = Console(sys.stderr)  # (stderr may be full, or closed: exit code 2 all the same)
     print(f"error: {message}", file=sys.stderr)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report: the root cause
         error = {"message": f"error: {message}", "timestamp": int(time.time())}
@@ -58,7 +62,7 @@ def die(message):
     sys.exit(2)
 
 def say(text):
-    if RANK == 0:
+    if RANK == 0 and os.environ.get("RANK", "0") == "0":  # (torchrun's ranks, before they start)
         tqdm.write(text, file=sys.stderr)
 
 class Console:
@@ -97,8 +101,6 @@ def parse_config(Config, argv, description):
     if args.resume and not os.path.isfile(os.path.join(args.resume, "config.json")):
         die(f"{args.resume} is not a run directory (it has no config.json): give the --out of "
             "the run to continue")
-    if args.resume and not args.help and (busy := hold(args.resume)):  # one trainer a run
-        die(busy)
     files = [TINY_CONFIG] * args.tiny + [args.config] * bool(args.config)
     if args.resume:
         files = [os.path.join(args.resume, "config.json")]
@@ -162,7 +164,7 @@ def checked(f):
     return convert
 
 def check_resume(args, saved):
-    """What a resume cannot change: where the run is, that it trains (model: last_checkpoint)."""
+    """What a resume cannot change: where the run is, that it trains (the objective: last_checkpoint)."""
     if args.out is not None and os.path.abspath(args.out) != os.path.abspath(args.resume):
         die(f"--out cannot change when resuming: the run goes on in {args.resume}")
     if saved.eval:
@@ -170,6 +172,26 @@ def check_resume(args, saved):
     if args.eval:
         die(f"--eval does not resume a run: evaluate its model with --eval --model "
             f"{os.path.join(args.resume, 'model')}")
+
+def same_setting(key, value, given, files=None):
+    """Whether `given` is the run's `value`: a model is the same by any path (a link, a moved
+    checkout: its files, as a checkpoint records them; none recorded: not known, so not)."""
+    if key != "model" or value == given:
+        return value == given
+    value, given = os.path.expanduser(value), os.path.expanduser(given)
+    if os.path.exists(value) and os.path.exists(given):
+        return os.path.samefile(value, given)
+    return files is not None and files == model_files(given)
+
+def model_files(model):
+    """What tells a model directory's model apart whatever its path: its config and its weights'
+    names and sizes; a hub id: None (its name is itself)."""
+    path = pathlib.Path(os.path.expanduser(model))
+    if not path.is_dir():
+        return None
+    weights = [f"{p.name} {p.stat().st_size}" for p in sorted(path.glob("*.safetensors"))]
+    config = [(path / name).read_text() for name in MODEL_FILES["config.json"] if (path / name).exists()]
+    return "\n".join(config + weights)
 
 RETIRED = {"micro_batch_size": "--micro-batch-tokens bounds the update's passes"}  # older runs'
 
@@ -186,7 +208,11 @@ def read_settings(path, Config, run=""):
         values["model"] = os.path.normpath(beside)
     kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     flags = []
+    for key in RETIRED.keys() & values.keys():  # an older run's: what it meant, said once
+        say(f"note: {key!r} in {path} is no longer a setting ({RETIRED[key]}): left out")
     for key, value in values.items():
+        if key in RETIRED:
+            continue
         if key not in Config.__annotations__ or key == "resume":  # (--tiny, --config: flags)
             die(f"{key!r} in {path} is not a setting of a run (see --help)")
         if value is None:
@@ -821,7 +847,8 @@ def save_checkpoint(run_dir, model, opt, iteration, cfg):
         shutil.rmtree(path + ".tmp", ignore_errors=True)
     # a stateless AdamW (no step yet) saves none: get_state_dict would add a step 0 AdamW counts
     state = train_state(model, opt, optimizer=bool(opt.state))
-    objective = json.dumps({key: getattr(cfg, key) for key in OBJECTIVE})
+    objective = {key: getattr(cfg, key) for key in OBJECTIVE} | {"files": model_files(cfg.model)}
+    objective = json.dumps(objective)
     dcp.save(state | {"iteration": iteration, "objective": objective}, checkpoint_id=path + ".tmp")
     if RANK == 0:  # (the next save's collectives keep the other ranks from writing before this)
         put_in_place(path)
@@ -838,18 +865,22 @@ def put_in_place(path):
 def last_checkpoint(run_dir, cfg):
     """The newest complete checkpoint of a run and its iteration, (None, 0) if none; checked."""
     paths = [os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.old")]
-    paths = [p for p in paths if os.path.isdir(p)]
-    if not paths:
-        return None, 0
+    paths = [p for p in paths if os.path.isdir(p)] + [None]
     state = {"iteration": 0, "objective": "{}"}
-    with reading_checkpoint(paths[0], cfg.model):
-        saved = dcp.FileSystemReader(paths[0]).read_metadata().state_dict_metadata  # (damaged:
-        state = {key: value for key, value in state.items() if key in saved}  # DCP's tracebacks)
-        dcp.load(state, checkpoint_id=paths[0])  # those values alone: no tensor is read
-    for key, value in json.loads(state.get("objective", "{}")).items():
-        if getattr(cfg, key) != value:
-            die(f"{flag(key)} cannot change when resuming: {run_dir}'s checkpoint was trained with "
-                f"{key} = {value!r}: start a new run for another")
+    if paths[0]:
+        with reading_checkpoint(paths[0], cfg.model):
+            saved = dcp.FileSystemReader(paths[0]).read_metadata().state_dict_metadata  # (damaged:
+            state = {key: value for key, value in state.items() if key in saved}  # DCP's tracebacks)
+            dcp.load(state, checkpoint_id=paths[0])  # those values alone: no tensor is read
+    record = json.loads(state.get("objective", "{}"))  # an older checkpoint's: config.json's
+    config = read_json(os.path.join(run_dir, "config.json"))[0] if cfg.resume else {}
+    for key in OBJECTIVE:
+        value = record.get(key, config.get(key))
+        if value is not None and not same_setting(key, value, getattr(cfg, key), record.get("files")):
+            gone = key == "model" and not os.path.exists(os.path.expanduser(value))
+            why = f", no longer there, and no record says whether {cfg.model} is it" * gone
+            die(f"{flag(key)} cannot change when resuming: {run_dir} was trained with {key} = "
+                f"{value!r}{why}: start a new run for another")
     return paths[0], state["iteration"]
 
 @contextlib.contextmanager
@@ -1027,6 +1058,8 @@ class Run:
         if self.cfg.fsdp:
             start_distributed()
         self.dir, self.made = (self.cfg.resume, []) if self.cfg.resume else claim(self.cfg)
+        if self.cfg.resume and RANK == 0 and (busy := in_use(self.dir)):  # one trainer a run
+            die(busy)
         self.checkpoint, self.begin = last_checkpoint(self.dir, self.cfg)  # (a fresh run: none)
         rows = read_metrics(os.path.join(self.dir, "metrics.jsonl"))  # a resume's, before any work
         self.rows = [row for row in rows if row["iteration"] <= self.begin]  # (a fresh run: none)
@@ -1037,6 +1070,8 @@ class Run:
         self.finished = self.begin >= self.cfg.iterations and trained_to(model) == self.begin
         if self.finished:
             say(f"{self.dir} is finished ({self.begin} iterations): nothing to do")
+        elif self.cfg.resume and (why := unwritable(self.dir) or hold(self.dir)):  # now: no loading
+            die(why)  # (a refusal before here touched nothing)
         return self
 
     @contextlib.contextmanager
@@ -1145,11 +1180,14 @@ def taken_by(run_dir, model):
     if os.path.isdir(weights) and os.path.commonpath([out, weights]) == out:
         return f"--out {run_dir} holds the model the run starts from ({model}): give another --out"
     config = os.path.join(run_dir, "config.json")
-    if os.path.isfile(config) and (why := read_json(config, run_dir)[1]):
+    settings, why = read_json(config, run_dir) if os.path.isfile(config) else (None, None)
+    if why or os.path.isfile(config) and (why := in_use(run_dir)):
         return why
+    if isinstance(settings, dict) and settings.get("eval"):  # (nothing to resume)
+        return f"{run_dir} already holds an evaluation: give another --out, or delete it first"
     if os.path.isfile(config):
-        return in_use(run_dir) or (f"{run_dir} already holds a run: continue it with --resume "
-                                   f"{shlex.quote(run_dir)}, or give another --out")
+        return (f"{run_dir} already holds a run: continue it with --resume {shlex.quote(run_dir)}, "
+                "or give another --out")
     if os.path.islink(run_dir) and not os.path.exists(run_dir):
         return (f"--out {run_dir} is a link to {os.readlink(run_dir)}, which does not exist: make "
                 "that folder, or give another --out")
@@ -1185,6 +1223,13 @@ def hold(run_dir):
             pathlib.Path(run_dir, "trainer").write_text(f"process {os.getpid()} on {HOST}")
         if not os.fstat(fd).st_nlink:  # removed meanwhile (a fresh start that failed): again
             release(run_dir)
+    return None
+
+def unwritable(run_dir):
+    """Why a run directory cannot be written (a read-only mount, chattr +i), found before any work."""
+    for path in (run_dir, *(os.path.join(run_dir, n) for n in ("config.json", "metrics.jsonl"))):
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            return f"{path} cannot be written (a read-only mount, say): make it writable, then resume"
     return None
 
 def in_use(run_dir):

@@ -3075,7 +3075,7 @@ def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_chan
                            (["--iterations", "2", "--split", "nosuch"], "splits are train, test, long-train and long-test"),
                            (["--out", str(tmp_path / "elsewhere")], f"--out cannot change when resuming: the run goes on in {run}"),
                            (["--eval"], f"--eval does not resume a run: evaluate its model with --eval --model {run}/model"),
-                           (["--ratio", "turn"], f"--ratio cannot change when resuming: {run}'s checkpoint was trained "
+                           (["--ratio", "turn"], f"--ratio cannot change when resuming: {run} was trained "
                                                  "with ratio = 'token': start a new run for another"),
                            (["--normalize-rewards"], "--normalize-rewards cannot change when resuming: ")]:
         code, err = _error(capsys, "--resume", str(run), *flags)
@@ -3083,8 +3083,8 @@ def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_chan
         assert (run / "config.json").read_text() == config  # rewritten only once a resume started
     # config.json changed by hand, to another objective or model (the checkpoint records them)
     for change, message in [({"ratio": "trajectory"}, "--ratio cannot change when resuming"),
-                            ({"model": str(tmp_path / "other")}, f"--model cannot change when resuming: {run}'s "
-                                                                 f"checkpoint was trained with model = {SHIPPED!r}")]:
+                            ({"model": str(tmp_path / "other")}, f"--model cannot change when resuming: {run} was "
+                                                                 f"trained with model = {SHIPPED!r}: start")]:
         (run / "config.json").write_text(json.dumps(json.loads(config) | change))
         code, err = _error(capsys, "--resume", str(run), "--iterations", "2")
         assert code == 2 and message in err, err
