@@ -4,6 +4,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import io
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import warnings
 
@@ -2818,6 +2820,23 @@ def _train_rows(run, keys=("iteration",)):
 def quick():
     return ["--tiny", "--tasks-per-iteration", "2", "--rollouts-per-task", "4",
             "--max-new-tokens", "24", "--eval-max-turns", "1", "--max-turns", "2", "--eval-every", "100"]
+
+
+OLDER = "ac758bb"  # the last loop.py before issue 60 retired --micro-batch-size
+
+
+@pytest.fixture(scope="session")
+def older_run(tmp_path_factory):
+    """A run as a user's older loop.py left it: OLDER's own code (git archive) ran quick() for one
+    iteration; its config.json holds micro_batch_size, its checkpoint no record of its objective."""
+    root = tmp_path_factory.mktemp("older")
+    archive = subprocess.run(["git", "-C", HERE, "archive", OLDER], capture_output=True, check=True)
+    tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(root / "code")
+    made = _run_command([sys.executable, "loop.py", *quick(), "--iterations", "1", "--out", str(root / "run")],
+                        cwd=root / "code")
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert json.loads((root / "run" / "config.json").read_text())["micro_batch_size"] == 32
+    return root / "run"
 
 
 def test_a_checkpoint_restores_trained_weights_and_adamw_state_exactly(tmp_path):
