@@ -208,13 +208,12 @@ def read_settings(path, Config, run=""):
         values["model"] = os.path.normpath(beside)
     kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     flags = []
-    for key in RETIRED.keys() & values.keys():  # an older run's: what it meant, said once
-        say(f"note: {key!r} in {path} is no longer a setting ({RETIRED[key]}): left out")
     for key, value in values.items():
-        if key in RETIRED:
+        if key in RETIRED and run:  # an older run's: left out (Run says so once it resumes)
             continue
         if key not in Config.__annotations__ or key == "resume":  # (--tiny, --config: flags)
-            die(f"{key!r} in {path} is not a setting of a run (see --help)")
+            why = f"no longer a setting ({RETIRED[key]})" if key in RETIRED else "not a setting"
+            die(f"{key!r} in {path} is {why} of a run (see --help)")
         if value is None:
             die(f"{key!r} in {path} is null: give it a value, or leave it out for the default")
         switch = Config.__annotations__[key] is bool
@@ -1060,6 +1059,7 @@ class Run:
         self.dir, self.made = (self.cfg.resume, []) if self.cfg.resume else claim(self.cfg)
         if self.cfg.resume and RANK == 0 and (busy := in_use(self.dir)):  # one trainer a run
             die(busy)
+        self.config = os.path.join(self.dir, "config.json")
         self.checkpoint, self.begin = last_checkpoint(self.dir, self.cfg)  # (a fresh run: none)
         rows = read_metrics(os.path.join(self.dir, "metrics.jsonl"))  # a resume's, before any work
         self.rows = [row for row in rows if row["iteration"] <= self.begin]  # (a fresh run: none)
@@ -1070,8 +1070,11 @@ class Run:
         self.finished = self.begin >= self.cfg.iterations and trained_to(model) == self.begin
         if self.finished:
             say(f"{self.dir} is finished ({self.begin} iterations): nothing to do")
-        elif self.cfg.resume and (why := unwritable(self.dir) or hold(self.dir)):  # now: no loading
-            die(why)  # (a refusal before here touched nothing)
+        elif self.cfg.resume:  # held only now, before any loading: a refusal touched nothing
+            if why := unwritable(self.dir) or hold(self.dir):
+                die(why)
+            for key in RETIRED.keys() & read_json(self.config)[0].keys():
+                say(f"note: {key} in {self.config} is no longer a setting ({RETIRED[key]}): left out")
         return self
 
     @contextlib.contextmanager

@@ -3151,6 +3151,45 @@ def test_a_resume_that_would_change_the_checkpoints_tensors_stops_first_and_chan
     assert capsys.readouterr().err.strip() == f"{run} is finished (2 iterations): nothing to do"
 
 
+def _untouched(folder):
+    """What a refused start must leave as it was: every file, and the folder's own mtime."""
+    return _files(folder), os.stat(folder).st_mtime_ns
+
+
+def test_a_run_from_an_older_loop_py_resumes_and_keeps_what_its_checkpoint_means(older_run, tmp_path, capsys):
+    """A run from before --micro-batch-size was retired (older_run, made by that commit's own code),
+    whose checkpoint records nothing of what it was trained with: a resume that would change it (the
+    model, to another of the same shapes that the checkpoint would load into; --lora, --ratio,
+    --normalize-rewards), or that is refused for any other reason, is one line, exit code 2, and
+    touches nothing (no RUN/trainer, the folder's mtime as it was). Then it resumes, saying in one
+    line that the retired setting is left out. Before: 'not a setting of a run' and RUN/trainer
+    left behind; with the key deleted by hand, --model OTHER resumed and rewrote config.json."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(older_run, run)
+    shutil.copytree(SHIPPED, other)
+    before = _untouched(run)
+    for flags, message in [(["--model", str(other)], f"--model cannot change when resuming: {run} was trained with "
+                                                     f"model = '{older_run.parent}/code/assets/tiny-model': start a new"),
+                           (["--lora"], f"--lora cannot change when resuming: {run} was trained with lora = False"),
+                           (["--ratio", "turn"], "--ratio cannot change when resuming"),
+                           (["--normalize-rewards"], "--normalize-rewards cannot change when resuming"),
+                           (["--out", str(tmp_path / "elsewhere")], "--out cannot change when resuming"),
+                           (["--eval"], "--eval does not resume a run"),
+                           (["--track", "nosuch"], "--track takes tensorboard or wandb or both")]:
+        code, err = _error(capsys, "--resume", str(run), "--iterations", "2", *flags)
+        assert code == 2 and message in err, err
+        assert _untouched(run) == before
+    loop.main(["--resume", str(run), "--iterations", "2"])
+    err = capsys.readouterr().err
+    assert (f"note: micro_batch_size in {run}/config.json is no longer a setting (--micro-batch-tokens bounds the "
+            "update's passes): left out\n") in err and f"resuming {run} from iteration 1" in err
+    assert "micro_batch_size" not in json.loads((run / "config.json").read_text())
+    assert [(row["iteration"], "split" in row) for row in infra.read_metrics(run / "metrics.jsonl")] == [
+        (0, True), (1, False), (1, True), (2, False), (2, True)]
+    code, err = _error(capsys, "--resume", str(run), "--iterations", "3", "--model", str(other))  # its own record now
+    assert code == 2 and "--model cannot change when resuming" in err and not (run / "trainer").exists()
+
+
 def test_a_resume_trains_with_the_learning_rate_and_weight_decay_it_is_given(tmp_path, capsys, monkeypatch):
     """AdamW's saved state brings the checkpoint's lr and weight decay back: a resume that lowers
     them trains with the new ones and says so; one that gives none trains with the run's own."""
