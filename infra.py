@@ -11,6 +11,7 @@ import dataclasses
 import faulthandler
 import fcntl
 import functools
+import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -184,14 +185,17 @@ def same_setting(key, value, given, files=None):
     return files is not None and files == model_files(given)
 
 def model_files(model):
-    """What tells a model directory's model apart whatever its path: its config and its weights'
-    names and sizes; a hub id: None (its name is itself)."""
-    path = pathlib.Path(os.path.expanduser(model))
-    if not path.is_dir():
-        return None
-    weights = [f"{p.name} {p.stat().st_size}" for p in sorted(path.glob("*.safetensors"))]
-    config = [(path / name).read_text() for name in MODEL_FILES["config.json"] if (path / name).exists()]
-    return "\n".join(config + weights)
+    """A model directory's files, whatever its path: names, sizes, bytes at four places (weights of
+    the same shapes differ there: seconds at 32B, not the minutes of reading it); a hub id: None."""
+    path, digest = pathlib.Path(os.path.expanduser(model)), hashlib.sha256()
+    for file in sorted(path.glob("*.safetensors")) + sorted(path.glob("*config.json")):
+        size = file.stat().st_size
+        digest.update(f"{file.name} {size}".encode())
+        with open(file, "rb") as fh:
+            for at in (0, size // 4, size // 2, 3 * size // 4):
+                fh.seek(at)
+                digest.update(fh.read(1 << 16))
+    return digest.hexdigest() if path.is_dir() else None
 
 RETIRED = {"micro_batch_size": "--micro-batch-tokens bounds the update's passes"}  # older runs'
 
@@ -877,7 +881,7 @@ def last_checkpoint(run_dir, cfg):
         value = record.get(key, config.get(key))
         if value is not None and not same_setting(key, value, getattr(cfg, key), record.get("files")):
             gone = key == "model" and not os.path.exists(os.path.expanduser(value))
-            why = f", no longer there, and no record says whether {cfg.model} is it" * gone
+            why = f" (gone; {cfg.model} is not it by the files its checkpoint records, if any)" * gone
             die(f"{flag(key)} cannot change when resuming: {run_dir} was trained with {key} = "
                 f"{value!r}{why}: start a new run for another")
     return paths[0], state["iteration"]

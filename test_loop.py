@@ -332,6 +332,17 @@ def test_settings_out_of_range_stop_before_any_work(tmp_path, capsys, flag, valu
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("stderr", ["full", "closed"])
+def test_a_refusal_exits_2_whatever_becomes_of_its_line(stderr):
+    """2>/dev/full, 2>&-: the line cannot be written, and the exit code, which a script reads, is 2
+    all the same. Before, with stderr full: 1 (die() raised as it printed)."""
+    with open("/dev/full", "w") as full:
+        kind = {"stderr": full} if stderr == "full" else {"preexec_fn": functools.partial(os.close, 2)}
+        r = subprocess.run([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--iterations=-1"],
+                           stdout=subprocess.PIPE, timeout=120, **kind)
+    assert r.returncode == 2 and r.stdout == b""
+
+
 def test_a_run_directory_is_never_mixed_and_resume_takes_its_own_settings(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"env": "tiny"}))
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
@@ -3190,6 +3201,65 @@ def test_a_run_from_an_older_loop_py_resumes_and_keeps_what_its_checkpoint_means
     assert code == 2 and "--model cannot change when resuming" in err and not (run / "trainer").exists()
 
 
+@pytest.mark.parametrize("what", ["the run folder", "its config.json"])
+def test_a_resume_of_a_run_that_cannot_be_written_stops_before_loading_and_changes_nothing(older_run, tmp_path, capsys,
+                                                                                            monkeypatch, what):
+    """chattr +i (as a read-only mount does): one line, exit code 2, before the model loads (minutes
+    at 32B) and nothing changed. Before, the model loaded, then a PermissionError traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(older_run, run)
+    monkeypatch.setattr(infra, "load_model_and_tokenizer", lambda cfg: pytest.fail("the model loaded"))
+    frozen = run if what == "the run folder" else run / "config.json"
+    subprocess.run(["chattr", "+i", str(frozen)], check=True)
+    try:
+        before = _untouched(run)
+        code, err = _error(capsys, "--resume", str(run), "--iterations", "2")
+        assert _untouched(run) == before
+    finally:
+        subprocess.run(["chattr", "-i", str(frozen)], check=True)
+    assert code == 2 and err == f"error: {frozen} cannot be written (a read-only mount, say): make it writable, then resume\n"
+
+
+def _rebuilt(folder, seed):
+    """The shipped model's config and shapes, other weights: a model of its own, saved in folder."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(folder)
+
+
+def test_the_model_of_a_run_is_the_same_by_any_path_and_another_is_refused(tmp_path, capsys):
+    """A resume that names the run's model by a link, or where it was moved to (its files, as the
+    checkpoint records them), goes on: here to 'finished'. Another model at the old path's place, of
+    the same shapes, or a copy beside the original, is refused. Before, a link was a model change."""
+    first, run = tmp_path / "first", tmp_path / "run"
+    shutil.copytree(SHIPPED, first)
+    loop.main([*quick(), "--model", str(first), "--iterations", "1", "--out", str(run)])
+    (tmp_path / "link").symlink_to(first)
+    shutil.copytree(first, tmp_path / "copy")
+    capsys.readouterr()
+
+    def resumed(model, refused=None):  # refused: what the line says of the model, after its path
+        if refused is None:
+            loop.main(["--resume", str(run), "--model", str(tmp_path / model)])
+            assert capsys.readouterr().err == f"{run} is finished (1 iterations): nothing to do\n"
+            return
+        code, err = _error(capsys, "--resume", str(run), "--iterations", "2", "--model", str(tmp_path / model))
+        assert code == 2 and err == (f"error: --model cannot change when resuming: {run} was trained with model = "
+                                     f"{str(first)!r}{refused}: start a new run for another\n"), err
+    resumed("link")
+    resumed("copy", refused="")
+    first.rename(tmp_path / "moved")
+    resumed("moved")
+    shutil.copytree(tmp_path / "moved", tmp_path / "other")
+    _rebuilt(tmp_path / "other", seed=1)
+    capsys.readouterr()
+    resumed("other", refused=f" (gone; {tmp_path / 'other'} is not it by the files its checkpoint records, if any)")
+
+
 def test_a_resume_trains_with_the_learning_rate_and_weight_decay_it_is_given(tmp_path, capsys, monkeypatch):
     """AdamW's saved state brings the checkpoint's lr and weight decay back: a resume that lowers
     them trains with the new ones and says so; one that gives none trains with the run's own."""
@@ -3491,6 +3561,20 @@ def test_an_evaluation_only_run_writes_no_model(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no iterations, so no model/" in err
     assert "note: --tasks-per-iteration 500 is more than the 81 tasks of train: each iteration plays all of them" in err
+
+
+def test_an_evaluation_given_its_folder_again_says_what_works_and_touches_nothing(tmp_path, capsys):
+    """--eval --out E twice: the second is refused, and what it says to do works. Before, it said
+    'continue it with --resume E', which was refused (E is no training run) and left E/trainer."""
+    evaluation = tmp_path / "E"
+    loop.main([*quick(), "--eval", "--out", str(evaluation)])
+    before = _untouched(evaluation)
+    code, err = _error(capsys, *quick(), "--eval", "--out", str(evaluation))
+    assert code == 2 and err == f"error: {evaluation} already holds an evaluation: give another --out, or delete it first\n"
+    assert _untouched(evaluation) == before
+    shutil.rmtree(evaluation)
+    loop.main([*quick(), "--eval", "--out", str(evaluation)])
+    assert [row["iteration"] for row in infra.read_metrics(evaluation / "metrics.jsonl")] == [0]
 
 
 def test_a_missing_tracker_package_stops_before_the_run(tmp_path, capsys, monkeypatch):
