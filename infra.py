@@ -1061,8 +1061,6 @@ class Run:
         if self.cfg.fsdp:
             start_distributed()
         self.dir, self.made = (self.cfg.resume, []) if self.cfg.resume else claim(self.cfg)
-        if self.cfg.resume and RANK == 0 and (busy := in_use(self.dir)):  # one trainer a run
-            die(busy)
         self.config = os.path.join(self.dir, "config.json")
         self.checkpoint, self.begin = last_checkpoint(self.dir, self.cfg)  # (a fresh run: none)
         rows = read_metrics(os.path.join(self.dir, "metrics.jsonl"))  # a resume's, before any work
