@@ -179,22 +179,19 @@ def same_setting(key, value, given, files=None):
     checkout: its files, as a checkpoint records them; none recorded: not known, so not)."""
     if key != "model" or value == given:
         return value == given
-    value, given = os.path.expanduser(value), os.path.expanduser(given)
-    if os.path.exists(value) and os.path.exists(given):
+    if os.path.exists(value) and os.path.exists(given):  # (expanded: parse_config)
         return os.path.samefile(value, given)
     return files is not None and files == model_files(given)
 
 def model_files(model):
     """A model directory's files, whatever its path: names, sizes, bytes at four places (weights of
     the same shapes differ there: seconds at 32B, not the minutes of reading it); a hub id: None."""
-    path, digest = pathlib.Path(os.path.expanduser(model)), hashlib.sha256()
+    path, digest = pathlib.Path(model), hashlib.sha256()  # (expanded: parse_config)
     for file in sorted(path.glob("*.safetensors")) + sorted(path.glob("*config.json")):
-        size = file.stat().st_size
-        digest.update(f"{file.name} {size}".encode())
         with open(file, "rb") as fh:
-            for at in (0, size // 4, size // 2, 3 * size // 4):
-                fh.seek(at)
-                digest.update(fh.read(1 << 16))
+            for quarter in range(4):
+                fh.seek(quarter * file.stat().st_size // 4)
+                digest.update(f"{file.name} {fh.tell()}".encode() + fh.read(1 << 16))
     return digest.hexdigest() if path.is_dir() else None
 
 RETIRED = {"micro_batch_size": "--micro-batch-tokens bounds the update's passes"}  # older runs'
@@ -880,7 +877,7 @@ def last_checkpoint(run_dir, cfg):
     for key in OBJECTIVE:
         value = record.get(key, config.get(key))
         if value is not None and not same_setting(key, value, getattr(cfg, key), record.get("files")):
-            gone = key == "model" and not os.path.exists(os.path.expanduser(value))
+            gone = key == "model" and not os.path.exists(value)
             why = f" (gone; {cfg.model} is not it by the files its checkpoint records, if any)" * gone
             die(f"{flag(key)} cannot change when resuming: {run_dir} was trained with {key} = "
                 f"{value!r}{why}: start a new run for another")
@@ -1073,7 +1070,7 @@ class Run:
         if self.finished:
             say(f"{self.dir} is finished ({self.begin} iterations): nothing to do")
         elif self.cfg.resume:  # held only now, before any loading: a refusal touched nothing
-            if why := unwritable(self.dir) or hold(self.dir):
+            if why := hold(self.dir):
                 die(why)
             for key in RETIRED.keys() & read_json(self.config)[0].keys():
                 say(f"note: {key} in {self.config} is no longer a setting ({RETIRED[key]}): left out")
@@ -1209,7 +1206,8 @@ HELD = {}  # the run directories this process holds: real path -> the folder, op
 HOST = socket.gethostname()
 
 def hold(run_dir):
-    """Lock run_dir for this process (rank 0, for all ranks) until release(); else who holds it."""
+    """Lock run_dir for this process (rank 0, for all ranks) until release(), RUN/trainer its first
+    write (a folder that cannot be written: refused before any loading); else why not."""
     key = os.path.realpath(run_dir)
     while key not in HELD and os.environ.get("RANK", "0") == "0":
         try:
@@ -1224,17 +1222,13 @@ def hold(run_dir):
         except OSError as e:  # a file system without locks (some network ones)
             say(f"note: cannot lock {run_dir} ({e.strerror}): see that no other trainer uses it")
         HELD[key] = fd
-        with contextlib.suppress(OSError):  # who holds it, for in_use() to say
+        try:  # who holds it, for in_use() to say
             pathlib.Path(run_dir, "trainer").write_text(f"process {os.getpid()} on {HOST}")
+        except OSError as e:  # a read-only mount, chattr +i
+            release(run_dir)
+            return f"cannot write the run directory {run_dir}: {first_line(e)}"
         if not os.fstat(fd).st_nlink:  # removed meanwhile (a fresh start that failed): again
             release(run_dir)
-    return None
-
-def unwritable(run_dir):
-    """Why a run directory cannot be written (a read-only mount, chattr +i), found before any work."""
-    for path in (run_dir, *(os.path.join(run_dir, n) for n in ("config.json", "metrics.jsonl"))):
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            return f"{path} cannot be written (a read-only mount, say): make it writable, then resume"
     return None
 
 def in_use(run_dir):
