@@ -11,7 +11,6 @@ import dataclasses
 import faulthandler
 import fcntl
 import functools
-import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -45,7 +44,6 @@ from chat import Chat
 
 # Process state: this process's rank, the number of ranks, its device; one-line errors
 HERE = os.path.dirname(os.path.abspath(__file__))
-TINY_CONFIG = os.path.join(HERE, "tiny_config.json")
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb<0.19"}  # what to pip install
 RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by start_distributed
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
@@ -102,7 +100,7 @@ def parse_config(Config, argv, description):
     if args.resume and not os.path.isfile(os.path.join(args.resume, "config.json")):
         die(f"{args.resume} is not a run directory (it has no config.json): give the --out of "
             "the run to continue")
-    files = [TINY_CONFIG] * args.tiny + [args.config] * bool(args.config)
+    files = [os.path.join(HERE, "tiny_config.json")] * args.tiny + [args.config] * bool(args.config)
     if args.resume:
         files = [os.path.join(args.resume, "config.json")]
     flags = [text for path in files for text in read_settings(path, Config, args.resume)]
@@ -174,25 +172,16 @@ def check_resume(args, saved):
         die(f"--eval does not resume a run: evaluate its model with --eval --model "
             f"{os.path.join(args.resume, 'model')}")
 
-def same_setting(key, value, given, files=None):
-    """Whether `given` is the run's `value`: a model is the same by any path (a link, a moved
-    checkout: its files, as a checkpoint records them; none recorded: not known, so not)."""
-    if key != "model" or value == given:
-        return value == given
-    if os.path.exists(value) and os.path.exists(given):  # (expanded: parse_config)
+def same_setting(key, value, given, folder=None):
+    """Whether `given` is the run's `value`: a model is the same folder by any path to it (a link),
+    or where it was moved to (`folder`: its inode, as the checkpoint records it)."""
+    if key == "model" and os.path.exists(value) and os.path.exists(given):  # (paths expanded)
         return os.path.samefile(value, given)
-    return files is not None and files == model_files(given)
+    return value == given or key == "model" and folder is not None and folder == inode(given)
 
-def model_files(model):
-    """A model directory's files, whatever its path: names, sizes, bytes at four places (weights of
-    the same shapes differ there: seconds at 32B, not the minutes of reading it); a hub id: None."""
-    path, digest = pathlib.Path(model), hashlib.sha256()  # (expanded: parse_config)
-    for file in sorted(path.glob("*.safetensors")) + sorted(path.glob("*config.json")):
-        with open(file, "rb") as fh:
-            for quarter in range(4):
-                fh.seek(quarter * file.stat().st_size // 4)
-                digest.update(f"{file.name} {fh.tell()}".encode() + fh.read(1 << 16))
-    return digest.hexdigest() if path.is_dir() else None
+def inode(folder):
+    """A model folder's device and inode, which a move keeps (a copy does not); a hub id: None."""
+    return [os.stat(folder).st_dev, os.stat(folder).st_ino] if os.path.isdir(folder) else None
 
 RETIRED = {"micro_batch_size": "--micro-batch-tokens bounds the update's passes"}  # older runs'
 
@@ -527,11 +516,9 @@ def stop_if_every_world_failed(episodes, what):
     hint = "check the world with tools/play.py --solution"
     if "worker process ended" in errors[0]:  # a forker's script that reran in every worker, say
         hint = "a script that registers a world runs loop.main() under if __name__ == '__main__'"
-    raise WorldsFailed(f"every world failed in {what} ({int(counts[0])} episodes); the first: "
-                       f"{errors[0]}: {hint}")
-
-class WorldsFailed(Exception):
-    """Every world of an iteration or an evaluation failed: the run stops (Run says why)."""
+    say(f"error: every world failed in {what} ({int(counts[0])} episodes); the first: {errors[0]}: "
+        f"{hint}")
+    sys.exit(1)  # (not die's 2: the settings may be right; every rank stops here)
 
 # The carried KV cache of a wave of episodes
 class WaveCache:
@@ -847,7 +834,7 @@ def save_checkpoint(run_dir, model, opt, iteration, cfg):
         shutil.rmtree(path + ".tmp", ignore_errors=True)
     # a stateless AdamW (no step yet) saves none: get_state_dict would add a step 0 AdamW counts
     state = train_state(model, opt, optimizer=bool(opt.state))
-    objective = {key: getattr(cfg, key) for key in OBJECTIVE} | {"files": model_files(cfg.model)}
+    objective = {key: getattr(cfg, key) for key in OBJECTIVE} | {"inode": inode(cfg.model)}
     objective = json.dumps(objective)
     dcp.save(state | {"iteration": iteration, "objective": objective}, checkpoint_id=path + ".tmp")
     if RANK == 0:  # (the next save's collectives keep the other ranks from writing before this)
@@ -876,11 +863,9 @@ def last_checkpoint(run_dir, cfg):
     config = read_json(os.path.join(run_dir, "config.json"))[0] if cfg.resume else {}
     for key in OBJECTIVE:
         value = record.get(key, config.get(key))
-        if value is not None and not same_setting(key, value, getattr(cfg, key), record.get("files")):
-            gone = key == "model" and not os.path.exists(value)
-            why = f" (gone; {cfg.model} is not it by the files its checkpoint records, if any)" * gone
+        if value is not None and not same_setting(key, value, getattr(cfg, key), record.get("inode")):
             die(f"{flag(key)} cannot change when resuming: {run_dir} was trained with {key} = "
-                f"{value!r}{why}: start a new run for another")
+                f"{value!r}: start a new run for another")
     return paths[0], state["iteration"]
 
 @contextlib.contextmanager
@@ -1130,9 +1115,6 @@ class Run:
             say(f"\ninterrupted: continue with `{resume}`" if started else
                 "\ninterrupted before the run started: nothing written")
             sys.exit(130)
-        if kind is WorldsFailed:
-            say(f"error: {error}")
-            sys.exit(1)
         if kind is None and self.cfg.fsdp:  # not after an error: the failed rank would wait here
             dist.barrier()  # no rank tears the group down while another still writes the model
             dist.destroy_process_group()
@@ -1203,7 +1185,6 @@ def taken_by(run_dir, model):
 # One trainer a run directory, for its whole life: a lock on the folder itself (no file in it, that
 # a user could delete), which the system lets go at any death. RUN/trainer says who holds it.
 HELD = {}  # the run directories this process holds: real path -> the folder, open
-HOST = socket.gethostname()
 
 def hold(run_dir):
     """Lock run_dir for this process (rank 0, for all ranks) until release(), RUN/trainer its first
@@ -1223,7 +1204,8 @@ def hold(run_dir):
             say(f"note: cannot lock {run_dir} ({e.strerror}): see that no other trainer uses it")
         HELD[key] = fd
         try:  # who holds it, for in_use() to say
-            pathlib.Path(run_dir, "trainer").write_text(f"process {os.getpid()} on {HOST}")
+            holder = f"process {os.getpid()} on {socket.gethostname()}"
+            pathlib.Path(run_dir, "trainer").write_text(holder)
         except OSError as e:  # a read-only mount, chattr +i
             release(run_dir)
             return f"cannot write the run directory {run_dir}: {first_line(e)}"

@@ -277,7 +277,7 @@ def test_flags_override_config_file_and_config_file_overrides_tiny(tmp_path):
     # --tiny with --config: the file is laid over tiny_config.json, flags over both
     cfg = loop.parse_config(["--tiny", "--config", str(path), "--lr", "0.5"])
     assert (cfg.model, cfg.env, cfg.iterations, cfg.max_turns, cfg.lr) == (SHIPPED, "tiny", 7, 9, 0.5)
-    assert cfg.rollouts_per_task == json.load(open(infra.TINY_CONFIG))["rollouts_per_task"]
+    assert cfg.rollouts_per_task == json.load(open(os.path.join(HERE, "tiny_config.json")))["rollouts_per_task"]
     # a model folder a config file names is looked for beside the file; a hub id stays as it is
     (tmp_path / "mine").mkdir()
     path.write_text(json.dumps({"model": "mine"}))
