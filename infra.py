@@ -516,9 +516,11 @@ def stop_if_every_world_failed(episodes, what):
     hint = "check the world with tools/play.py --solution"
     if "worker process ended" in errors[0]:  # a forker's script that reran in every worker, say
         hint = "a script that registers a world runs loop.main() under if __name__ == '__main__'"
-    say(f"error: every world failed in {what} ({int(counts[0])} episodes); the first: {errors[0]}: "
-        f"{hint}")
-    sys.exit(1)  # (not die's 2: the settings may be right; every rank stops here)
+    raise WorldsFailed(f"every world failed in {what} ({int(counts[0])} episodes); the first: "
+                       f"{errors[0]}: {hint}")
+
+class WorldsFailed(Exception):
+    """Every world of an iteration or an evaluation failed: the run stops (Run says why)."""
 
 # The carried KV cache of a wave of episodes
 class WaveCache:
@@ -1115,6 +1117,9 @@ class Run:
             say(f"\ninterrupted: continue with `{resume}`" if started else
                 "\ninterrupted before the run started: nothing written")
             sys.exit(130)
+        if kind is WorldsFailed:
+            say(f"error: {error}")
+            sys.exit(1)
         if kind is None and self.cfg.fsdp:  # not after an error: the failed rank would wait here
             dist.barrier()  # no rank tears the group down while another still writes the model
             dist.destroy_process_group()
