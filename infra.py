@@ -49,10 +49,7 @@ RANK, WORLD = 0, 1  # this process's rank and the number of ranks, set once by s
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # torchrun: LOCAL_RANK's
 
 def die(message):
-    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback (whatever
-    becomes of the line); a refused start leaves nothing behind, RUN/trainer neither."""
-    for run_dir in list(HELD):
-        release(run_dir)
+    """A mistake the user can fix: one line saying what to do, exit code 2, no traceback."""
     sys.stderr = Console(sys.stderr)  # (stderr may be full, or closed: exit code 2 all the same)
     print(f"error: {message}", file=sys.stderr)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report: the root cause
@@ -109,8 +106,14 @@ def parse_config(Config, argv, description):
         shown = {k: v if given[k] is None else given[k] for k, v in defaults.items()}
         settings_parser(Config, shown, description=description).print_help()
         sys.exit(0)
-    if args.resume:
-        check_resume(args, parser.parse_args(flags))
+    saved = parser.parse_args(flags)  # what a resume cannot change: where, that it trains
+    if args.resume and args.out is not None and not same("out", args.resume, args.out):
+        die(f"--out cannot change when resuming: the run goes on in {args.resume}")
+    if args.resume and saved.eval:
+        die(f"{args.resume} is an evaluation, not a training run: there is nothing to resume")
+    if args.resume and args.eval:
+        die(f"--eval does not resume a run: evaluate its model with --eval --model "
+            f"{os.path.join(args.resume, 'model')}")
     cfg = Config(**{k: given[k] for k in defaults if given[k] is not None})
     for name in filter(None, cfg.track.split(",")):
         if name not in TRACKERS:
@@ -162,20 +165,10 @@ def checked(f):
     convert.__name__ = f.type.__name__
     return convert
 
-def check_resume(args, saved):
-    """What a resume cannot change: where the run is, that it trains (the objective: last_checkpoint)."""
-    if args.out is not None and os.path.abspath(args.out) != os.path.abspath(args.resume):
-        die(f"--out cannot change when resuming: the run goes on in {args.resume}")
-    if saved.eval:
-        die(f"{args.resume} is an evaluation, not a training run: there is nothing to resume")
-    if args.eval:
-        die(f"--eval does not resume a run: evaluate its model with --eval --model "
-            f"{os.path.join(args.resume, 'model')}")
-
-def same_setting(key, value, given, folder=None):
-    """Whether `given` is the run's `value`: a model is the same folder by any path to it (a link),
-    or where it was moved to (`folder`: its inode, as the checkpoint records it)."""
-    if key == "model" and os.path.exists(value) and os.path.exists(given):  # (paths expanded)
+def same(key, value, given, folder=None):
+    """Whether `given` is the run's `value`: a folder is the same by any path to it (a link), a
+    model's also where it was moved to (`folder`: its inode, as the checkpoint records it)."""
+    if key in ("model", "out") and os.path.exists(value) and os.path.exists(given):
         return os.path.samefile(value, given)
     return value == given or key == "model" and folder is not None and folder == inode(given)
 
@@ -202,8 +195,7 @@ def read_settings(path, Config, run=""):
         if key in RETIRED and run:  # an older run's: left out (Run says so once it resumes)
             continue
         if key not in Config.__annotations__ or key == "resume":  # (--tiny, --config: flags)
-            why = f"no longer a setting ({RETIRED[key]})" if key in RETIRED else "not a setting"
-            die(f"{key!r} in {path} is {why} of a run (see --help)")
+            die(f"{key!r} in {path} is not a setting of a run (see --help)")
         if value is None:
             die(f"{key!r} in {path} is null: give it a value, or leave it out for the default")
         switch = Config.__annotations__[key] is bool
@@ -621,9 +613,8 @@ def from_pretrained(path, cfg):
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # on the host: half the memory per rank
     if cfg.fsdp and RANK > 0:  # rank 0 alone reads the weights, then sends the shards
         adapter = pathlib.Path(path, "adapter_config.json")  # a LoRA run's model/: no config.json
-        base = path
-        if adapter.exists():
-            base = json.loads(adapter.read_text())["base_model_name_or_path"]
+        config = json.loads(adapter.read_text()) if adapter.exists() else {}
+        base = config.get("base_model_name_or_path", path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), dtype=dtype)
         if adapter.exists():  # rank 0's LoRA layers (their small weights are read again here)
@@ -697,9 +688,8 @@ def all_reduce(values, op=dist.ReduceOp.SUM):
 def shard(model, cfg, layer_names):
     """FSDP2: each rank keeps 1/G of every tensor, sent by rank 0 (the others' are on meta)."""
     weights = model.state_dict() if RANK == 0 else {}
-    policy = MixedPrecisionPolicy()
-    if cfg.bf16:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if cfg.bf16 else {}
+    policy = MixedPrecisionPolicy(**bf16)
     for module in model.modules():
         if type(module).__name__ in layer_names:
             fully_shard(module, mp_policy=policy)
@@ -836,8 +826,7 @@ def save_checkpoint(run_dir, model, opt, iteration, cfg):
         shutil.rmtree(path + ".tmp", ignore_errors=True)
     # a stateless AdamW (no step yet) saves none: get_state_dict would add a step 0 AdamW counts
     state = train_state(model, opt, optimizer=bool(opt.state))
-    objective = {key: getattr(cfg, key) for key in OBJECTIVE} | {"inode": inode(cfg.model)}
-    objective = json.dumps(objective)
+    objective = json.dumps({k: getattr(cfg, k) for k in OBJECTIVE} | {"inode": inode(cfg.model)})
     dcp.save(state | {"iteration": iteration, "objective": objective}, checkpoint_id=path + ".tmp")
     if RANK == 0:  # (the next save's collectives keep the other ranks from writing before this)
         put_in_place(path)
@@ -858,14 +847,15 @@ def last_checkpoint(run_dir, cfg):
     state = {"iteration": 0, "objective": "{}"}
     if paths[0]:
         with reading_checkpoint(paths[0], cfg.model):
-            saved = dcp.FileSystemReader(paths[0]).read_metadata().state_dict_metadata  # (damaged:
-            state = {key: value for key, value in state.items() if key in saved}  # DCP's tracebacks)
+            # the metadata first: a damaged checkpoint stops here, not in DCP's tracebacks
+            saved = dcp.FileSystemReader(paths[0]).read_metadata().state_dict_metadata
+            state = {key: value for key, value in state.items() if key in saved}  # (older: none)
             dcp.load(state, checkpoint_id=paths[0])  # those values alone: no tensor is read
     record = json.loads(state.get("objective", "{}"))  # an older checkpoint's: config.json's
     config = read_json(os.path.join(run_dir, "config.json"))[0] if cfg.resume else {}
     for key in OBJECTIVE:
         value = record.get(key, config.get(key))
-        if value is not None and not same_setting(key, value, getattr(cfg, key), record.get("inode")):
+        if value is not None and not same(key, value, getattr(cfg, key), record.get("inode")):
             die(f"{flag(key)} cannot change when resuming: {run_dir} was trained with {key} = "
                 f"{value!r}: start a new run for another")
     return paths[0], state["iteration"]
@@ -933,8 +923,7 @@ def trained_to(model_dir):
     return json.loads(path.read_text())["iteration"] if path.exists() else None
 
 def write_atomically(path, text):
-    """A kill while this writes leaves the old file or the new one, never part of one; an error
-    (a full disk) leaves the old one and no other."""
+    """A kill or an error (a full disk) while this writes leaves the old file, never part of one."""
     try:
         pathlib.Path(path + ".tmp").write_text(text)
     except BaseException:
@@ -1045,7 +1034,6 @@ class Run:
         if self.cfg.fsdp:
             start_distributed()
         self.dir, self.made = (self.cfg.resume, []) if self.cfg.resume else claim(self.cfg)
-        self.config = os.path.join(self.dir, "config.json")
         self.checkpoint, self.begin = last_checkpoint(self.dir, self.cfg)  # (a fresh run: none)
         rows = read_metrics(os.path.join(self.dir, "metrics.jsonl"))  # a resume's, before any work
         self.rows = [row for row in rows if row["iteration"] <= self.begin]  # (a fresh run: none)
@@ -1059,8 +1047,9 @@ class Run:
         elif self.cfg.resume:  # held only now, before any loading: a refusal touched nothing
             if why := hold(self.dir):
                 die(why)
-            for key in RETIRED.keys() & read_json(self.config)[0].keys():
-                say(f"note: {key} in {self.config} is no longer a setting ({RETIRED[key]}): left out")
+            config = os.path.join(self.dir, "config.json")
+            for key in RETIRED.keys() & read_json(config)[0].keys():
+                say(f"note: {key} in {config} is no longer a setting ({RETIRED[key]}): left out")
         return self
 
     @contextlib.contextmanager
@@ -1192,8 +1181,7 @@ def taken_by(run_dir, model):
 HELD = {}  # the run directories this process holds: real path -> the folder, open
 
 def hold(run_dir):
-    """Lock run_dir for this process (rank 0, for all ranks) until release(), RUN/trainer its first
-    write (a folder that cannot be written: refused before any loading); else why not."""
+    """Lock run_dir for this process (rank 0, for all ranks) until release(); else why not."""
     key = os.path.realpath(run_dir)
     while key not in HELD and os.environ.get("RANK", "0") == "0":
         try:
@@ -1208,7 +1196,7 @@ def hold(run_dir):
         except OSError as e:  # a file system without locks (some network ones)
             say(f"note: cannot lock {run_dir} ({e.strerror}): see that no other trainer uses it")
         HELD[key] = fd
-        try:  # who holds it, for in_use() to say
+        try:  # who holds it, for in_use() to say: a run's first write (chattr +i: before loading)
             holder = f"process {os.getpid()} on {socket.gethostname()}"
             pathlib.Path(run_dir, "trainer").write_text(holder)
         except OSError as e:  # a read-only mount, chattr +i
