@@ -3553,6 +3553,7 @@ def test_an_evaluation_given_its_folder_again_says_what_works_and_touches_nothin
     'continue it with --resume E', which was refused (E is no training run) and left E/trainer."""
     evaluation = tmp_path / "E"
     loop.main([*quick(), "--eval", "--out", str(evaluation)])
+    capsys.readouterr()
     before = _untouched(evaluation)
     code, err = _error(capsys, *quick(), "--eval", "--out", str(evaluation))
     assert code == 2 and err == f"error: {evaluation} already holds an evaluation: give another --out, or delete it first\n"
