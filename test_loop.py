@@ -4296,7 +4296,8 @@ def test_ablation_report_by_hand(tmp_path, capsys):
 
 
 def test_a_report_of_runs_whose_settings_differ_in_more_than_variant_and_seed_is_one_line(tmp_path, capsys):
-    """Their numbers would be compared as if one setting's: runs of two sweeps in one folder."""
+    """Their numbers would be compared as if one setting's: runs of two sweeps in one folder. (A
+    setting a run's config.json does not hold is its default: 50 turns.)"""
     _fake_runs(tmp_path)
     config = tmp_path / "turn-1" / "config.json"
     config.write_text(json.dumps(json.loads(config.read_text()) | {"eval_max_turns": 10}))
@@ -4304,10 +4305,10 @@ def test_a_report_of_runs_whose_settings_differ_in_more_than_variant_and_seed_is
         ablation.main(["--report", str(tmp_path)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err == (f"error: --report: token-0 and turn-1 under {tmp_path} differ in "
-                                            "eval_max_turns (None, 10), not only in the variant and the seed: "
+                                            "eval_max_turns (50, 10), not only in the variant and the seed: "
                                             "report each setting's runs from a folder of their own\n")
     assert not (tmp_path / "ablation.md").exists()
-    config.write_text(json.dumps(json.loads(config.read_text()) | {"eval_max_turns": None, "ratio": "token"}))
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"eval_max_turns": 50, "ratio": "token"}))
     with pytest.raises(SystemExit) as stop:  # a folder named per-turn of a per-token run
         ablation.main(["--report", str(tmp_path)])
     assert stop.value.code == 2 and capsys.readouterr().err == (
@@ -4383,6 +4384,22 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     assert [r["iteration"] for r in infra.read_metrics(tmp_path / "turn-0" / "metrics.jsonl")] == [0, 1, 2, 2]
     assert [r["iteration"] for r in infra.read_metrics(tmp_path / "none-0" / "metrics.jsonl")] == [0, 1, 2, 2]
     assert (tmp_path / "none-0" / "notes.txt").read_text() == "mine"
+
+
+def test_a_sweep_and_its_report_take_a_run_from_before_issue_60_as_one_of_theirs(older_run, tmp_path):
+    """OLDER's run (its config.json: micro_batch_size, which no longer exists, and no
+    micro_batch_tokens, which did not yet) as token-0 of a sweep of its settings: the sweep skips it
+    (finished), trains turn-0 beside it, and its report compares the two. Before, the sweep ended in
+    KeyError: 'micro_batch_size', and the report refused them as differing in micro_batch_size."""
+    root = tmp_path / "sweep"
+    shutil.copytree(older_run, root / "token-0")
+    config = root / "token-0" / "config.json"  # its model --tiny's, as in the checkout that ran it
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"model": SHIPPED}))
+    before = _files(root / "token-0")
+    ablation.main(["--seeds", "0", "--variants", "token", "turn", "--iterations", "1", "--out", str(root), *quick()[1:]])
+    assert _files(root / "token-0") == before
+    table = (root / "ablation.md").read_text().splitlines()
+    assert table[2].startswith("| per-token (LOOP) | 1 |") and table[3].startswith("| per-turn | 1 |")
 
 
 def test_plot_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):

@@ -16,7 +16,9 @@
 Every variant of every seed trains from the shipped tiny model (`--tiny`: assets/tiny-model)
 with the same budget; the seed sets the tasks and the sampling. Runs that finished are skipped
 and interrupted ones resumed, so a sweep that was stopped continues where it was; a run there of
-other settings (but --iterations) stops the sweep with one line: one setting a folder. Flags this
+other settings (but --iterations) stops the sweep with one line: one setting a folder (a run's
+settings as a resume reads them: one that an older loop.py recorded and no longer exists is left
+out, one newer than the run is its default; neither is a difference). Flags this
 script does not know go to every loop.py run (`--config FILE` of settings over --tiny's, or
 `--tasks-per-iteration 2` for a quick try). The tables (per variant, per run, and the verdict on
 each of the paper's orderings with a sign test over seeds) go to stdout and DIR/ablation.md; with
@@ -70,9 +72,12 @@ def run_once(run, iterations, flags):
 
 
 def settings(run):
-    """A run's settings, as its config.json records them."""
+    """A run's settings as a resume reads its config.json: a setting newer than the run at its
+    default, one that no longer is (infra.RETIRED: an older run's) left out, as no difference."""
     with open(os.path.join(run, "config.json")) as fh:
-        return json.load(fh)
+        recorded = json.load(fh)
+    defaults = {field.name: field.default for field in dataclasses.fields(loop.Config)}
+    return defaults | {key: value for key, value in recorded.items() if key not in infra.RETIRED}
 
 
 def mismatch(a, b, ignore):
