@@ -4402,6 +4402,39 @@ def test_a_sweep_and_its_report_take_a_run_from_before_issue_60_as_one_of_theirs
     assert table[2].startswith("| per-token (LOOP) | 1 |") and table[3].startswith("| per-turn | 1 |")
 
 
+def test_a_sweep_that_would_leave_runs_of_other_iterations_stops_before_anything_trains(tmp_path, monkeypatch, capsys):
+    """Seed 0 swept for 1 iteration, then seed 1 added at 2: one line, exit code 2, before anything
+    trains (before, seed 1 trained to its end, then the sweep's own report refused the folder and
+    left ablation.md stale); seed 0 again at fewer iterations too (a run goes on, not back). With
+    both seeds named, seed 0 goes on to 2 iterations, and the report counts the evaluations it
+    shares with a run of 2 from the start (0 and 2): not the one at 1, where it first ended."""
+    quick = ["--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8", "--eval-max-turns", "1",
+             "--max-turns", "2", "--eval-every", "100"]
+    root, calls, main = tmp_path / "sweep", [], loop.main
+    monkeypatch.setattr(loop, "main", lambda argv: calls.append(argv) or main(argv))
+
+    def sweep(iterations, *seeds):
+        ablation.main(["--seeds", *seeds, "--variants", "token", "--iterations", iterations, "--out", str(root), *quick])
+    sweep("1", "0")
+    before, calls[:], _ = _files(root), [], capsys.readouterr()
+    for seeds, iterations, said in ((["1"], "2", f"token-0 and token-1 under {root} differ in iterations (1, 2), not "
+                                     "only in the variant and the seed: give the settings of the runs there, or name "
+                                     "their seeds too (a run goes on to more --iterations), or another --out"),
+                                    (["0", "1"], "0", f"{root / 'token-0'} was run with iterations = 1, and this sweep "
+                                     "gives it 0")):
+        with pytest.raises(SystemExit) as stop:
+            sweep(iterations, *seeds)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and said in err, err
+        assert _files(root) == before and not calls
+    sweep("2", "0", "1")
+    assert calls[0] == ["--resume", str(root / "token-0"), "--iterations", "2"] and calls[1][-1] == str(root / "token-1")
+    rows = infra.read_metrics(root / "token-0" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows if "split" in r] == [0, 1, 2]
+    assert [sorted(curve) for _, curve, _ in ablation.finished_runs(str(root))["token"]] == [[0, 2], [0, 2]]
+    assert (root / "ablation.md").read_text().splitlines()[2].startswith("| per-token (LOOP) | 2 |")
+
+
 def test_plot_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         plot.main([str(tmp_path / "nowhere")])
