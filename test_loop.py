@@ -4,7 +4,9 @@ import collections
 import copy
 import dataclasses
 import functools
+import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -4246,6 +4248,34 @@ def test_every_block_of_a_solution_plays_and_its_mistakes_are_one_line(capsys, t
         assert stop.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
+def _output_gone(where, tool, *args, buffered=True):
+    """tools/TOOL run as a script, its stdout `where`: "pipe", a pipe whose reader has gone (as
+    `| head -1` leaves it once head has its line: every write fails, whenever it comes), or "full",
+    /dev/full; its stdout buffered, as a user's Python has it (the first write fails at exit), or not
+    (each print fails at once, as a print longer than the buffer would). Its exit code and stderr,
+    less the line that asks for matplotlib where it is missing."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({} if buffered else {"PYTHONUNBUFFERED": "1"})
+    with open(writer, "w") as pipe, open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, os.path.join(HERE, "tools", tool), *args], text=True, timeout=300,
+                              stdout={"pipe": pipe, "full": full}[where], stderr=subprocess.PIPE, env=env)
+    return done.returncode, "".join(line for line in done.stderr.splitlines(keepends=True)
+                                    if "pip install matplotlib" not in line)
+
+FULL = "error: cannot write to stdout: No space left on device\n"
+
+
+def test_play_into_a_closed_pipe_ends_quietly_and_into_a_full_stdout_says_so_in_one_line():
+    """`play.py ... | head -1` ends as a Unix tool ends when its reader has gone: no output, exit
+    status 141 (SIGPIPE's, as a shell shows it); `> /dev/full` is one line, exit code 2. Before,
+    a BrokenPipeError's or an OSError's traceback."""
+    solution = os.path.join(HERE, "assets", "tiny_solution.md")
+    said = [_output_gone(where, "play.py", "--tiny", "--solution", solution, "--task", "order00_1")
+            for where in ("pipe", "full")]
+    assert said == [(141, ""), (2, FULL)]
+
+
 def _fake_runs(root):
     """Two seeds of LOOP and of per-turn ratios, plus an evaluation-only run and an unfinished run,
     which the report must leave out. TGC at iterations 0/10/20 and clip fractions are chosen by hand."""
@@ -4327,6 +4357,22 @@ def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsy
     with pytest.raises(SystemExit) as stop:
         ablation.main(["--report", str(tmp_path)])
     assert stop.value.code == 2 and "no finished runs" in capsys.readouterr().err
+
+
+def test_ablation_report_into_a_closed_pipe_or_a_full_stdout_writes_its_files_first(tmp_path):
+    """`--report DIR | head -1` and `--report DIR > /dev/full`: DIR/ablation.md is written (and
+    the figure, with matplotlib) before the tables are printed, which fail at once unbuffered (as
+    tables longer than the buffer would); the closed pipe ends quietly with SIGPIPE's status, the
+    full stdout is one line, exit code 2. Before, a traceback from printing, and no ablation.md."""
+    _fake_runs(tmp_path)
+    ablation.main(["--report", str(tmp_path)])
+    table = (tmp_path / "ablation.md").read_text()
+    figure = importlib.util.find_spec("matplotlib") is not None
+    for (where, said), buffered in itertools.product((("pipe", (141, "")), ("full", (2, FULL))), (True, False)):
+        for path in tmp_path.glob("ablation.*"):
+            path.unlink()
+        assert _output_gone(where, "ablation.py", "--report", str(tmp_path), buffered=buffered) == said, where
+        assert (tmp_path / "ablation.md").read_text() == table and (tmp_path / "ablation.png").exists() == figure
 
 
 def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
@@ -4463,6 +4509,21 @@ def test_plot_draws_the_curves_and_the_behaviour_of_a_run(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain))
     assert plot.main([str(tmp_path)]) == [str(tmp_path / "curves.png")]
     assert "no behaviour.png" in capsys.readouterr().out
+
+
+def test_plot_into_a_closed_pipe_or_a_full_stdout_writes_its_figures_and_ends_without_a_traceback(tmp_path):
+    """`plot.py RUN | head -1` and `> /dev/full`, as the ablation report: the figures written (with
+    matplotlib; without it the numbers are the output), then the closed pipe ends quietly with
+    SIGPIPE's status, the full stdout is one line, exit code 2. Before, a traceback."""
+    rows = [{"iteration": 0, "split": "test", "tgc": 0.3, "sgc": 0.2}] + [
+        {"iteration": i, "reward_mean": 0.5, "success_rate": 0.4, "kl": 0.01, "looked_first": 0.5} for i in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = {"curves.png", "behaviour.png"} if importlib.util.find_spec("matplotlib") else set()
+    for where, said in (("pipe", (141, "")), ("full", (2, FULL))):
+        for path in tmp_path.glob("*.png"):
+            path.unlink()
+        assert _output_gone(where, "plot.py", str(tmp_path)) == said, where
+        assert {path.name for path in tmp_path.glob("*.png")} == figures
 
 
 def _harness(argv):

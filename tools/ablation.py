@@ -26,8 +26,9 @@ AdamW's state in the checkpoint), and the report counts the evaluations such a r
 --eval-every and the last), not the one where it first ended. Flags this
 script does not know go to every loop.py run (`--config FILE` of settings over --tiny's, or
 `--tasks-per-iteration 2` for a quick try). The tables (per variant, per run, and the verdict on
-each of the paper's orderings with a sign test over seeds) go to stdout and DIR/ablation.md; with
-matplotlib installed, the learning curves go to DIR/ablation.png.
+each of the paper's orderings with a sign test over seeds) go to DIR/ablation.md and, with
+matplotlib installed, the learning curves to DIR/ablation.png; then the tables to stdout (a
+reader that went away, `| head`, ends it quietly: tools/console.py).
 """
 import argparse
 import dataclasses
@@ -37,6 +38,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import console  # noqa: E402
 import infra  # noqa: E402
 import loop  # noqa: E402
 
@@ -241,7 +243,7 @@ def verdicts(figures):
 
 
 def report(root):
-    """Two tables, to stdout and DIR/ablation.md: each variant over its seeds (mean, lowest and
+    """Two tables, to DIR/ablation.md and then stdout: each variant over its seeds (mean, lowest and
     highest seed in brackets), then every run; the learning curves to DIR/ablation.png."""
     if not os.path.isdir(root):
         infra.die(f"--report: no directory {root}")
@@ -278,14 +280,14 @@ def report(root):
                          f"{f['seconds']:.0f} |")
     lines += ["", *verdicts(figures)]
     table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(root, "ablation.md"), "w") as fh:
+    with open(os.path.join(root, "ablation.md"), "w") as fh:  # the files first: stdout may be gone
         fh.write(table + "\n")
     curves = {}  # each variant's TGC per seed at the evaluations all its seeds share
     for key in order:
         shared = sorted(set.intersection(*(set(curve) for _, curve, _ in runs[key])))
         curves[key] = {i: [curve[i]["tgc"] for _, curve, _ in runs[key]] for i in shared}
     plot(root, order, curves, {key: len(seeds) for key, seeds in runs.items()})
+    print(table)
 
 
 def label(key):
@@ -335,4 +337,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    console.run(main)  # a closed pipe, a full stdout: as a Unix tool
