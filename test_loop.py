@@ -4432,7 +4432,7 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     assert (tmp_path / "none-0" / "notes.txt").read_text() == "mine"
 
 
-def test_a_sweep_and_its_report_take_a_run_from_before_issue_60_as_one_of_theirs(older_run, tmp_path):
+def test_an_ablation_sweep_and_its_report_take_a_run_from_before_issue_60_as_one_of_theirs(older_run, tmp_path):
     """OLDER's run (its config.json: micro_batch_size, which no longer exists, and no
     micro_batch_tokens, which did not yet) as token-0 of a sweep of its settings: the sweep skips it
     (finished), trains turn-0 beside it, and its report compares the two. Before, the sweep ended in
@@ -4448,7 +4448,7 @@ def test_a_sweep_and_its_report_take_a_run_from_before_issue_60_as_one_of_theirs
     assert table[2].startswith("| per-token (LOOP) | 1 |") and table[3].startswith("| per-turn | 1 |")
 
 
-def test_a_sweep_that_would_leave_runs_of_other_iterations_stops_before_anything_trains(tmp_path, monkeypatch, capsys):
+def test_an_ablation_sweep_that_would_leave_runs_of_other_iterations_stops_before_anything_trains(tmp_path, monkeypatch, capsys):
     """Seed 0 swept for 1 iteration, then seed 1 added at 2: one line, exit code 2, before anything
     trains (before, seed 1 trained to its end, then the sweep's own report refused the folder and
     left ablation.md stale); seed 0 again at fewer iterations too (a run goes on, not back). With
