@@ -4,7 +4,9 @@ import collections
 import copy
 import dataclasses
 import functools
+import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -4355,6 +4357,34 @@ def test_every_block_of_a_solution_plays_and_its_mistakes_are_one_line(capsys, t
         assert stop.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
+def _output_gone(where, tool, *args, buffered=True):
+    """tools/TOOL run as a script, its stdout `where`: "pipe", a pipe whose reader has gone (as
+    `| head -1` leaves it once head has its line: every write fails, whenever it comes), or "full",
+    /dev/full; its stdout buffered, as a user's Python has it (the first write fails at exit), or not
+    (each print fails at once, as a print longer than the buffer would). Its exit code and stderr,
+    less the line that asks for matplotlib where it is missing."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({} if buffered else {"PYTHONUNBUFFERED": "1"})
+    with open(writer, "w") as pipe, open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, os.path.join(HERE, "tools", tool), *args], text=True, timeout=300,
+                              stdout={"pipe": pipe, "full": full}[where], stderr=subprocess.PIPE, env=env)
+    return done.returncode, "".join(line for line in done.stderr.splitlines(keepends=True)
+                                    if "pip install matplotlib" not in line)
+
+FULL = "error: cannot write to stdout: No space left on device\n"
+
+
+def test_play_into_a_closed_pipe_ends_quietly_and_into_a_full_stdout_says_so_in_one_line():
+    """`play.py ... | head -1` ends as a Unix tool ends when its reader has gone: no output, exit
+    status 141 (SIGPIPE's, as a shell shows it); `> /dev/full` is one line, exit code 2. Before,
+    a BrokenPipeError's or an OSError's traceback."""
+    solution = os.path.join(HERE, "assets", "tiny_solution.md")
+    said = [_output_gone(where, "play.py", "--tiny", "--solution", solution, "--task", "order00_1")
+            for where in ("pipe", "full")]
+    assert said == [(141, ""), (2, FULL)]
+
+
 def _fake_runs(root):
     """Two seeds of LOOP and of per-turn ratios, plus an evaluation-only run and an unfinished run,
     which the report must leave out. TGC at iterations 0/10/20 and clip fractions are chosen by hand."""
@@ -4405,7 +4435,8 @@ def test_ablation_report_by_hand(tmp_path, capsys):
 
 
 def test_a_report_of_runs_whose_settings_differ_in_more_than_variant_and_seed_is_one_line(tmp_path, capsys):
-    """Their numbers would be compared as if one setting's: runs of two sweeps in one folder."""
+    """Their numbers would be compared as if one setting's: runs of two sweeps in one folder. (A
+    setting a run's config.json does not hold is its default: 50 turns.)"""
     _fake_runs(tmp_path)
     config = tmp_path / "turn-1" / "config.json"
     config.write_text(json.dumps(json.loads(config.read_text()) | {"eval_max_turns": 10}))
@@ -4413,10 +4444,10 @@ def test_a_report_of_runs_whose_settings_differ_in_more_than_variant_and_seed_is
         ablation.main(["--report", str(tmp_path)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err == (f"error: --report: token-0 and turn-1 under {tmp_path} differ in "
-                                            "eval_max_turns (None, 10), not only in the variant and the seed: "
+                                            "eval_max_turns (50, 10), not only in the variant and the seed: "
                                             "report each setting's runs from a folder of their own\n")
     assert not (tmp_path / "ablation.md").exists()
-    config.write_text(json.dumps(json.loads(config.read_text()) | {"eval_max_turns": None, "ratio": "token"}))
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"eval_max_turns": 50, "ratio": "token"}))
     with pytest.raises(SystemExit) as stop:  # a folder named per-turn of a per-token run
         ablation.main(["--report", str(tmp_path)])
     assert stop.value.code == 2 and capsys.readouterr().err == (
@@ -4435,6 +4466,22 @@ def test_report_of_a_directory_without_runs_is_one_clear_message(tmp_path, capsy
     with pytest.raises(SystemExit) as stop:
         ablation.main(["--report", str(tmp_path)])
     assert stop.value.code == 2 and "no finished runs" in capsys.readouterr().err
+
+
+def test_ablation_report_into_a_closed_pipe_or_a_full_stdout_writes_its_files_first(tmp_path):
+    """`--report DIR | head -1` and `--report DIR > /dev/full`: DIR/ablation.md is written (and
+    the figure, with matplotlib) before the tables are printed, which fail at once unbuffered (as
+    tables longer than the buffer would); the closed pipe ends quietly with SIGPIPE's status, the
+    full stdout is one line, exit code 2. Before, a traceback from printing, and no ablation.md."""
+    _fake_runs(tmp_path)
+    ablation.main(["--report", str(tmp_path)])
+    table = (tmp_path / "ablation.md").read_text()
+    figure = importlib.util.find_spec("matplotlib") is not None
+    for (where, said), buffered in itertools.product((("pipe", (141, "")), ("full", (2, FULL))), (True, False)):
+        for path in tmp_path.glob("ablation.*"):
+            path.unlink()
+        assert _output_gone(where, "ablation.py", "--report", str(tmp_path), buffered=buffered) == said, where
+        assert (tmp_path / "ablation.md").read_text() == table and (tmp_path / "ablation.png").exists() == figure
 
 
 def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
@@ -4494,6 +4541,55 @@ def test_ablation_sweep_runs_each_variant_once_and_continues_an_interrupted_swee
     assert (tmp_path / "none-0" / "notes.txt").read_text() == "mine"
 
 
+def test_an_ablation_sweep_and_its_report_take_a_run_from_before_issue_60_as_one_of_theirs(older_run, tmp_path):
+    """OLDER's run (its config.json: micro_batch_size, which no longer exists, and no
+    micro_batch_tokens, which did not yet) as token-0 of a sweep of its settings: the sweep skips it
+    (finished), trains turn-0 beside it, and its report compares the two. Before, the sweep ended in
+    KeyError: 'micro_batch_size', and the report refused them as differing in micro_batch_size."""
+    root = tmp_path / "sweep"
+    shutil.copytree(older_run, root / "token-0")
+    config = root / "token-0" / "config.json"  # its model --tiny's, as in the checkout that ran it
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"model": SHIPPED}))
+    before = _files(root / "token-0")
+    ablation.main(["--seeds", "0", "--variants", "token", "turn", "--iterations", "1", "--out", str(root), *quick()[1:]])
+    assert _files(root / "token-0") == before
+    table = (root / "ablation.md").read_text().splitlines()
+    assert table[2].startswith("| per-token (LOOP) | 1 |") and table[3].startswith("| per-turn | 1 |")
+
+
+def test_an_ablation_sweep_that_would_leave_runs_of_other_iterations_stops_before_anything_trains(tmp_path, monkeypatch, capsys):
+    """Seed 0 swept for 1 iteration, then seed 1 added at 2: one line, exit code 2, before anything
+    trains (before, seed 1 trained to its end, then the sweep's own report refused the folder and
+    left ablation.md stale); seed 0 again at fewer iterations too (a run goes on, not back). With
+    both seeds named, seed 0 goes on to 2 iterations, and the report counts the evaluations it
+    shares with a run of 2 from the start (0 and 2): not the one at 1, where it first ended."""
+    quick = ["--tasks-per-iteration", "2", "--rollouts-per-task", "2", "--max-new-tokens", "8", "--eval-max-turns", "1",
+             "--max-turns", "2", "--eval-every", "100"]
+    root, calls, main = tmp_path / "sweep", [], loop.main
+    monkeypatch.setattr(loop, "main", lambda argv: calls.append(argv) or main(argv))
+
+    def sweep(iterations, *seeds):
+        ablation.main(["--seeds", *seeds, "--variants", "token", "--iterations", iterations, "--out", str(root), *quick])
+    sweep("1", "0")
+    before, calls[:], _ = _files(root), [], capsys.readouterr()
+    for seeds, iterations, said in ((["1"], "2", f"token-0 and token-1 under {root} differ in iterations (1, 2), not "
+                                     "only in the variant and the seed: give the settings of the runs there, or name "
+                                     "their seeds too (a run goes on to more --iterations), or another --out"),
+                                    (["0", "1"], "0", f"{root / 'token-0'} was run with iterations = 1, and this sweep "
+                                     "gives it 0")):
+        with pytest.raises(SystemExit) as stop:
+            sweep(iterations, *seeds)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and said in err, err
+        assert _files(root) == before and not calls
+    sweep("2", "0", "1")
+    assert calls[0] == ["--resume", str(root / "token-0"), "--iterations", "2"] and calls[1][-1] == str(root / "token-1")
+    rows = infra.read_metrics(root / "token-0" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows if "split" in r] == [0, 1, 2]
+    assert [sorted(curve) for _, curve, _ in ablation.finished_runs(str(root))["token"]] == [[0, 2], [0, 2]]
+    assert (root / "ablation.md").read_text().splitlines()[2].startswith("| per-token (LOOP) | 2 |")
+
+
 def test_plot_of_a_missing_or_empty_run_says_what_to_do(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         plot.main([str(tmp_path / "nowhere")])
@@ -4522,6 +4618,21 @@ def test_plot_draws_the_curves_and_the_behaviour_of_a_run(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in plain))
     assert plot.main([str(tmp_path)]) == [str(tmp_path / "curves.png")]
     assert "no behaviour.png" in capsys.readouterr().out
+
+
+def test_plot_into_a_closed_pipe_or_a_full_stdout_writes_its_figures_and_ends_without_a_traceback(tmp_path):
+    """`plot.py RUN | head -1` and `> /dev/full`, as the ablation report: the figures written (with
+    matplotlib; without it the numbers are the output), then the closed pipe ends quietly with
+    SIGPIPE's status, the full stdout is one line, exit code 2. Before, a traceback."""
+    rows = [{"iteration": 0, "split": "test", "tgc": 0.3, "sgc": 0.2}] + [
+        {"iteration": i, "reward_mean": 0.5, "success_rate": 0.4, "kl": 0.01, "looked_first": 0.5} for i in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = {"curves.png", "behaviour.png"} if importlib.util.find_spec("matplotlib") else set()
+    for where, said in (("pipe", (141, "")), ("full", (2, FULL))):
+        for path in tmp_path.glob("*.png"):
+            path.unlink()
+        assert _output_gone(where, "plot.py", str(tmp_path)) == said, where
+        assert {path.name for path in tmp_path.glob("*.png")} == figures
 
 
 def _harness(argv):

@@ -15,12 +15,20 @@
 
 Every variant of every seed trains from the shipped tiny model (`--tiny`: assets/tiny-model)
 with the same budget; the seed sets the tasks and the sampling. Runs that finished are skipped
-and interrupted ones resumed, so a sweep that was stopped continues where it was; a run there of
-other settings (but --iterations) stops the sweep with one line: one setting a folder. Flags this
+and interrupted ones resumed, so a sweep that was stopped continues where it was, and a run of
+fewer --iterations goes on to the sweep's. One setting a folder, as its report compares: before
+anything trains, a run there of other settings, of more --iterations, or of other --iterations
+and not named by the sweep (another seed or variant) stops it with one line. A run's settings are
+read as a resume reads them: one that an older loop.py recorded and no longer exists is left out,
+one newer than the run is its default. A run that went on trained as a run of that many
+iterations from the start would (each iteration seeded by its number, a constant learning rate,
+AdamW's state in the checkpoint), and the report counts the evaluations such a run makes (every
+--eval-every and the last), not the one where it first ended. Flags this
 script does not know go to every loop.py run (`--config FILE` of settings over --tiny's, or
 `--tasks-per-iteration 2` for a quick try). The tables (per variant, per run, and the verdict on
-each of the paper's orderings with a sign test over seeds) go to stdout and DIR/ablation.md; with
-matplotlib installed, the learning curves go to DIR/ablation.png.
+each of the paper's orderings with a sign test over seeds) go to DIR/ablation.md and, with
+matplotlib installed, the learning curves to DIR/ablation.png; then the tables to stdout (a
+reader that went away, `| head`, ends it quietly: tools/console.py).
 """
 import argparse
 import dataclasses
@@ -30,6 +38,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import console  # noqa: E402
 import infra  # noqa: E402
 import loop  # noqa: E402
 
@@ -46,33 +55,53 @@ VARIANTS = {  # run name: (the settings it changes, its label)
 
 
 def sweep(seeds, iterations, root, variants, extra):
-    """The variant runs that are not finished yet, one after another in this process."""
-    for seed in seeds:
-        for name in variants:
-            flags = [infra.as_flag(key, value) for key, value in VARIANTS[name][0].items()]
-            run = os.path.join(root, f"{name}-{seed}")
-            run_once(run, iterations, ["--tiny", "--seed", str(seed), *flags, *extra])
+    """The variant runs that are not finished yet, one after another in this process; before any
+    trains, the folder they would leave is checked: one setting's runs, as its report compares."""
+    planned = {f"{name}-{seed}": ["--tiny", "--seed", str(seed), *(infra.as_flag(key, value) for
+                                  key, value in VARIANTS[name][0].items()), *extra, "--iterations",
+                                  str(iterations), "--out", os.path.join(root, f"{name}-{seed}")]
+               for seed in seeds for name in variants}
+    at_end = training_runs(root) | {name: end_settings(os.path.join(root, name), iterations, flags)
+                                    for name, flags in planned.items()}
+    if why := one_setting(at_end, root, "give the settings of the runs there, or name their seeds "
+                          "too (a run goes on to more --iterations), or another --out"):
+        infra.die(f"this sweep would leave runs its report refuses: {why}")
+    for name, flags in planned.items():
+        run_once(os.path.join(root, name), iterations, flags)
+
+
+def end_settings(run, iterations, flags):
+    """The settings the sweep gives `run` (its flags), which it will have at the sweep's end: a run
+    there of others, but of fewer --iterations (it goes on), stops the sweep with one line."""
+    given = dataclasses.asdict(loop.parse_config(flags))
+    if not os.path.exists(os.path.join(run, "config.json")):
+        return given
+    recorded = settings(run)
+    key = mismatch(recorded, given, ignore=("iterations", "out", "resume", "track"))
+    if key or recorded["iterations"] > iterations:  # (a run goes on to more iterations, not back)
+        key = key or "iterations"
+        infra.die(f"{run} was run with {key} = {recorded.get(key)!r}, and this sweep gives it "
+                  f"{given.get(key)!r}: give the sweep's settings as they were, or another --out")
+    return given
 
 
 def run_once(run, iterations, flags):
-    """Skip a finished run, resume one that started (from its checkpoint, or from iteration 0),
-    start any other. No folder is deleted; a run that another process trains stops the sweep, and
-    so does one whose settings are not the ones this sweep gives it (but for --iterations)."""
-    flags = [*flags, "--iterations", str(iterations), "--out", run]
+    """Skip a finished run, resume one that started (from its checkpoint, or from iteration 0; or
+    one of fewer iterations, on to the sweep's), start any other. No folder is deleted; a run that
+    another process trains stops the sweep."""
     if not os.path.exists(os.path.join(run, "config.json")):
         return loop.main(flags)
-    recorded, given = settings(run), dataclasses.asdict(loop.parse_config(flags))
-    if key := mismatch(recorded, given, ignore=("iterations", "out", "resume", "track")):
-        infra.die(f"{run} was run with {key} = {recorded.get(key)!r}, and this sweep gives it "
-                  f"{given[key]!r}: give the sweep's settings as they were, or another --out")
     if infra.trained_to(os.path.join(run, "model")) != iterations:
         loop.main(["--resume", run, "--iterations", str(iterations)])
 
 
 def settings(run):
-    """A run's settings, as its config.json records them."""
+    """A run's settings as a resume reads its config.json: a setting newer than the run at its
+    default, one that no longer is (infra.RETIRED: an older run's) left out, as no difference."""
     with open(os.path.join(run, "config.json")) as fh:
-        return json.load(fh)
+        recorded = json.load(fh)
+    defaults = {field.name: field.default for field in dataclasses.fields(loop.Config)}
+    return defaults | {key: value for key, value in recorded.items() if key not in infra.RETIRED}
 
 
 def mismatch(a, b, ignore):
@@ -81,43 +110,56 @@ def mismatch(a, b, ignore):
                  if key not in ignore and a.get(key) != b.get(key)), None)
 
 
+def training_runs(root):
+    """{name: settings} of the runs under root that trained (config.json and metrics.jsonl; an
+    evaluation-only run is left out)."""
+    runs = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        run = os.path.join(root, name)
+        if all(os.path.exists(os.path.join(run, f)) for f in ("config.json", "metrics.jsonl")):
+            if not (cfg := settings(run))["eval"]:
+                runs[name] = cfg
+    return runs
+
+
+def one_setting(runs, root, advice):
+    """Why `runs` ({name: settings}) are not one setting's, as a report compares them: a run that is
+    not its variant's (named VARIANT-SEED, with the variant's settings), or two that differ in more
+    than the variant and the seed (`advice`: what to do); None if they are."""
+    keys, seen = set().union(*runs.values()) - {"seed", "out", "track"}, {}
+    for name, cfg in runs.items():
+        changes = VARIANTS.get(name.rsplit("-", 1)[0], ({}, ""))[0]
+        if not changes or any(cfg.get(key) != value for key, value in changes.items()):
+            return (f"{name} under {root} is no run of a variant (VARIANT-SEED, its settings the "
+                    f"variant's: {', '.join(VARIANTS)})")
+        for key in sorted(keys - changes.keys()):
+            other, value = seen.setdefault(key, (name, cfg.get(key)))
+            if value != cfg.get(key):
+                return (f"{other} and {name} under {root} differ in {key} ({value!r}, "
+                        f"{cfg.get(key)!r}), not only in the variant and the seed: {advice}")
+    return None
+
+
 def finished_runs(root):
     """{variant: [(seed, evaluations by iteration, training rows), ...]} of the runs under root
     (named VARIANT-SEED, as the sweep names them) that reached their last iteration;
-    evaluation-only runs and others are left out. A run whose settings are not its variant's, or
-    differ from another's in more than the variant and the seed, is one line."""
-    found = []
-    for name in sorted(os.listdir(root)):
-        config = os.path.join(root, name, "config.json")
-        metrics = os.path.join(root, name, "metrics.jsonl")
-        if not (os.path.exists(config) and os.path.exists(metrics)):
-            continue  # not a run directory
-        cfg = settings(os.path.join(root, name))
-        if cfg["eval"]:
-            continue
-        variant = name.rsplit("-", 1)[0]
-        changes = VARIANTS.get(variant, ({}, ""))[0]
-        if not changes or any(cfg.get(key) != value for key, value in changes.items()):
-            infra.die(f"--report: {name} under {root} is no run of a variant (VARIANT-SEED, its "
-                      f"settings the variant's: {', '.join(VARIANTS)})")
-        found.append((name, cfg, variant, metrics))
-    keys = set().union(*(cfg for _, cfg, _, _ in found)) - {"seed", "out", "track"}
-    seen, runs = {}, {}
-    for name, cfg, variant, metrics in found:
-        for key in sorted(keys - VARIANTS[variant][0].keys()):
-            other, value = seen.setdefault(key, (name, cfg.get(key)))
-            if value != cfg.get(key):
-                infra.die(f"--report: {other} and {name} under {root} differ in {key} ({value!r}, "
-                          f"{cfg.get(key)!r}), not only in the variant and the seed: report "
-                          "each setting's runs from a folder of their own")
-        rows = infra.read_metrics(metrics)
-        curve = {r["iteration"]: r for r in rows if "split" in r}
+    evaluation-only runs and others are left out. Runs that are not one setting's are one line. A
+    run that went on to more iterations counts the evaluations a run of that many would have made:
+    every --eval-every and the last (not the one where it first ended)."""
+    runs = training_runs(root)
+    if why := one_setting(runs, root, "report each setting's runs from a folder of their own"):
+        infra.die(f"--report: {why}")
+    finished = {}
+    for name, cfg in runs.items():
+        rows = infra.read_metrics(os.path.join(root, name, "metrics.jsonl"))
+        curve = {r["iteration"]: r for r in rows if "split" in r and (
+            r["iteration"] % cfg["eval_every"] == 0 or r["iteration"] == cfg["iterations"])}
         if cfg["iterations"] and max(curve, default=-1) == cfg["iterations"]:
             training = [r for r in rows if "split" not in r]
-            runs.setdefault(variant, []).append((cfg["seed"], curve, training))
-    for seeds in runs.values():
+            finished.setdefault(name.rsplit("-", 1)[0], []).append((cfg["seed"], curve, training))
+    for seeds in finished.values():
         seeds.sort(key=lambda run: run[0])
-    return runs
+    return finished
 
 
 def seed_figures(curve, training):
@@ -201,7 +243,7 @@ def verdicts(figures):
 
 
 def report(root):
-    """Two tables, to stdout and DIR/ablation.md: each variant over its seeds (mean, lowest and
+    """Two tables, to DIR/ablation.md and then stdout: each variant over its seeds (mean, lowest and
     highest seed in brackets), then every run; the learning curves to DIR/ablation.png."""
     if not os.path.isdir(root):
         infra.die(f"--report: no directory {root}")
@@ -238,14 +280,14 @@ def report(root):
                          f"{f['seconds']:.0f} |")
     lines += ["", *verdicts(figures)]
     table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(root, "ablation.md"), "w") as fh:
+    with open(os.path.join(root, "ablation.md"), "w") as fh:  # the files first: stdout may be gone
         fh.write(table + "\n")
     curves = {}  # each variant's TGC per seed at the evaluations all its seeds share
     for key in order:
         shared = sorted(set.intersection(*(set(curve) for _, curve, _ in runs[key])))
         curves[key] = {i: [curve[i]["tgc"] for _, curve, _ in runs[key]] for i in shared}
     plot(root, order, curves, {key: len(seeds) for key, seeds in runs.items()})
+    print(table)
 
 
 def label(key):
@@ -295,4 +337,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    console.run(main)  # a closed pipe, a full stdout: as a Unix tool

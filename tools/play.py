@@ -26,6 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import console  # noqa: E402
 import infra  # noqa: E402
 import loop  # noqa: E402
 
@@ -131,4 +132,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    console.run(main)  # a closed pipe, a full stdout: as a Unix tool
