@@ -5,9 +5,8 @@ from jinja2 import TemplateError
 
 
 class Chat:
-    """Token bookkeeping for the model's own chat template (docs/chat-models.md). An episode is
-    never re-templated: the prompt, the ids actually sampled, each observation as the template
-    renders it; where the template is append-only, that is the rendering, token for token."""
+    """An episode is never re-templated: the prompt, the ids actually sampled, each observation as
+    the template renders it; where the template is append-only, that is the rendering, exactly."""
 
     REPLY, OBSERVATION = "\x00REPLY\x00", "\x00OBSERVATION\x00"
 

@@ -1,8 +1,5 @@
-"""The machinery loop.py calls as `infra.X`, what a run needs that the paper does not say: process
-state, the settings' parser, worlds and their worker processes, the carried KV cache, loading,
-FSDP2, the log-prob head, checkpoints, the log, the run directory. It never imports loop (Config
-and the World are passed in). Read infra.RANK, WORLD and DEVICE late: start_distributed sets them.
-"""
+"""The machinery loop.py calls as `infra.X`, what a run needs that the paper does not say, in the
+order of its sections below. It never imports loop (Config and the World are passed in)."""
 import argparse
 import collections
 import concurrent.futures
@@ -98,8 +95,7 @@ def parse_config(Config, argv, description):
         die(f"{args.resume} is not a run directory (it has no config.json): give the --out of "
             "the run to continue")
     files = [os.path.join(HERE, "tiny_config.json")] * args.tiny + [args.config] * bool(args.config)
-    if args.resume:
-        files = [os.path.join(args.resume, "config.json")]
+    files = [os.path.join(args.resume, "config.json")] if args.resume else files
     flags = [text for path in files for text in read_settings(path, Config, args.resume)]
     given = vars(parser.parse_args(flags + argv))  # the flags given come last: they win
     if args.help:
@@ -298,9 +294,11 @@ def serve(conn):
                 member = "messages"
                 reply = checked_messages(world, world.messages())
             elif method == "step":
-                output = checked_text(world, world.step(arg))
+                output = world.step(arg)
+                if not isinstance(output, str):
+                    refuse(world, "step(code)", output, "the observation, a str")
                 member = "done"
-                reply = output, checked_done(world)
+                reply = valid_text(output), checked_done(world)
             else:  # "evaluate", a world's last call
                 reply = checked_result(world, world.evaluate())
                 member, closing, world = "close", world, None
@@ -329,11 +327,6 @@ def checked_messages(world, messages):
             and isinstance(m.get("content"), str) for m in messages)):
         refuse(world, "messages()", messages, "a non-empty list of {'role': str, 'content': str}")
     return [{"role": m["role"], "content": valid_text(m["content"])} for m in messages]
-
-def checked_text(world, text):
-    if not isinstance(text, str):
-        refuse(world, "step(code)", text, "the observation, a str")
-    return valid_text(text)
 
 def valid_text(text):
     """Valid text: a surrogate pair (print("\\ud83d\\ude00")) joined, a lone one replaced."""
@@ -384,7 +377,6 @@ class Hosted:
     MARGIN = 5  # seconds a step may take beyond the agent's time limit before its world is killed
     idle = []  # workers waiting for a world
     idle_lock = threading.Lock()  # a wave's worlds take and give back workers from its threads
-    forkserver_started = False
     said = set()  # the failures of worlds said so far, a line each: (class, member, kind)
 
     def __init__(self, World, task_id, timeout, experiment):
@@ -409,12 +401,10 @@ class Hosted:
         loop (whose script a worker runs again), the World's module and its preload() once."""
         ctx = multiprocessing.get_context("forkserver")
         with Hosted.idle_lock:  # the first world's thread starts the forkserver for all
-            if not Hosted.forkserver_started:
-                ctx.set_forkserver_preload(["loop", self.World.__module__, *preloads(self.World)])
-                path = os.pathsep.join(filter(None, sys.path))  # it imports them on our sys.path
-                with unittest.mock.patch.dict(os.environ, PYTHONPATH=path):
-                    multiprocessing.forkserver.ensure_running()
-                Hosted.forkserver_started = True
+            ctx.set_forkserver_preload(["loop", self.World.__module__, *preloads(self.World)])
+            path = os.pathsep.join(filter(None, sys.path))  # it imports them on our sys.path
+            with unittest.mock.patch.dict(os.environ, PYTHONPATH=path):
+                multiprocessing.forkserver.ensure_running()  # (once: then it runs)
         conn, child = ctx.Pipe()
         worker = ctx.Process(target=serve, args=(child,), daemon=True)
         worker.start()
@@ -768,12 +758,10 @@ def logprob_head_forward(self, hidden):
         return F.linear(hidden, self.weight, self.bias)
     targets, temperature, softcap = self.scoring
     hidden = hidden[:, :targets.shape[1]].reshape(targets.numel(), -1)
-    pieces = []
-    for s in range(0, targets.numel(), self.chunk):
-        piece = torch.utils.checkpoint.checkpoint(
-            logprob_piece, hidden[s:s + self.chunk], self.weight, self.bias,
-            targets.reshape(-1)[s:s + self.chunk], temperature, softcap, use_reentrant=False)
-        pieces.append(piece)
+    pieces = [torch.utils.checkpoint.checkpoint(
+        logprob_piece, hidden[s:s + self.chunk], self.weight, self.bias,
+        targets.reshape(-1)[s:s + self.chunk], temperature, softcap, use_reentrant=False)
+        for s in range(0, targets.numel(), self.chunk)]
     # a copy, not a view: FSDP warns that an in-place op on its root's view output skips a hook
     return torch.cat(pieces).view(targets.shape).clone()
 
@@ -862,28 +850,24 @@ def last_checkpoint(run_dir, cfg):
 
 @contextlib.contextmanager
 def reading_checkpoint(path, model):
-    """A checkpoint that cannot be read: one line naming its damaged file, or else DCP's reason."""
+    """A checkpoint that cannot be read: one line naming its damaged file (.metadata, or a shard
+    shorter than it says), or else DCP's reason."""
     try:
         yield
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - (DCP's: BaseException)
-        if damaged := damaged_file(path, e):
-            die(f"{damaged}: restore it, or delete {path} and --resume starts the run again from "
-                "iteration 0")
+        damaged = [f"{os.path.join(path, '.metadata')} is damaged ({first_line(e)})"]
+        with contextlib.suppress(Exception):  # (a cut pickle: the .metadata it is)
+            stored = dcp.FileSystemReader(path).read_metadata().storage_data.values()
+            ends = {os.path.join(path, item.relative_path): item.offset + item.length
+                    for item in stored}
+            damaged = [f"{shard} is missing or cut short" for shard, end in ends.items()
+                       if not os.path.isfile(shard) or os.path.getsize(shard) < end]
+        if damaged:
+            die(f"{damaged[0]}: restore it, or delete {path} and --resume starts the run again "
+                "from iteration 0")
         cause = next(iter(getattr(e, "failures", {}).values()), [e])[0]  # DCP's: each rank's
         die(f"checkpoint {path} cannot be read into model {model} ({first_line(cause)}): its files "
             "are whole; resume with the model the run began from")
-
-def damaged_file(path, error):
-    """Which file of a checkpoint is damaged: .metadata, or a shard shorter than it says; None."""
-    try:
-        stored = dcp.FileSystemReader(path).read_metadata().storage_data.values()
-    except Exception:  # noqa: BLE001 - a cut pickle
-        return f"{os.path.join(path, '.metadata')} is damaged ({first_line(error)})"
-    for item in stored:
-        shard = os.path.join(path, item.relative_path)
-        if not os.path.isfile(shard) or os.path.getsize(shard) < item.offset + item.length:
-            return f"{shard} is missing or cut short"
-    return None
 
 def load_checkpoint(path, model, opt, cfg):
     """Trainable weights and AdamW's state, then the settings' lr and weight decay (said if new)."""
@@ -1247,10 +1231,9 @@ def remove_empty(folders):
             break
 
 def settings_text(cfg, run_dir):
-    """config.json: a run's settings, read by --resume (`out` is its directory)."""
-    settings = dataclasses.asdict(cfg) | {"out": run_dir}
-    del settings["resume"]  # not a setting of the run: how it was started
-    return json.dumps(settings, indent=1)
+    """config.json: the settings --resume reads (`out`: the run's directory; `resume` is none)."""
+    settings = {key: value for key, value in dataclasses.asdict(cfg).items() if key != "resume"}
+    return json.dumps(settings | {"out": run_dir}, indent=1)
 
 EVALUATION = ["split", "eval_max_turns", "eval_temperature", "max_new_tokens", "max_context",
               "max_obs_tokens", "code_timeout", "batch_episodes", "bf16"]  # what it depends on

@@ -143,11 +143,10 @@ class Episode:
 
 
 @torch.no_grad()
-def generate(model, chat, prompts, temperature, max_new_tokens, cache=None):
+def generate(model, chat, prompts, temperature, max_new_tokens, cache):
     """Sample one turn for a batch of episodes: each one's ids, cut after the first stop token.
     Only what `cache` lacks is fed: with a wave's cache, the last token and the observation."""
     from transformers import GenerationConfig
-    cache = cache or infra.WaveCache()
     ids, attn = cache.inputs(prompts, chat.tok.pad_token_id)
     sampling = {}  # greedy at T = 0, else the plain softmax at T: what the update scores
     if temperature > 0:
@@ -164,11 +163,10 @@ def generate(model, chat, prompts, temperature, max_new_tokens, cache=None):
     cache.grew(attn, prompts, rows, out.shape[1] - ids.shape[1])
     return rows
 
-def rollout(model, chat, worlds, task_ids, cfg, temperature, max_turns, desc="rollout",
-            carry_cache=True):
+def rollout(model, chat, worlds, task_ids, cfg, temperature, max_turns, desc="rollout"):
     """The POMDP (§4.1) in waves of --batch-episodes: each turn, one batched generation for the
     live episodes, then their code runs in their worlds. Every rank runs the busiest's turns (FSDP),
-    with a dummy if it has none left. carry_cache=False re-prefills every turn (for the tests)."""
+    with a dummy if it has none left."""
     model.eval()
     pairs = list(zip(worlds, task_ids))
     waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
@@ -183,7 +181,7 @@ def rollout(model, chat, worlds, task_ids, cfg, temperature, max_turns, desc="ro
             live = [e for e in wave if not e.done]
             if not infra.all_reduce([len(live)], dist.ReduceOp.MAX)[0]:
                 break
-            carried = cache if carry_cache and live else infra.WaveCache()
+            carried = cache if live else infra.WaveCache()
             play_turn(model, chat, live, carried, temperature, turn, max_turns, cfg)
             turn += 1
             bar.update()

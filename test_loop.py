@@ -477,7 +477,7 @@ def test_generate_samples_from_the_softmax_that_the_update_scores(biased_model, 
     monkeypatch.setattr(model, "generate", with_scores)
     monkeypatch.setattr(chat, "stop_ids", [len(chat.tok)])  # nothing ends a turn: all 40 tokens
     torch.manual_seed(7)
-    new = torch.tensor(loop.generate(model, chat, prompts, temperature, 40))
+    new = torch.tensor(loop.generate(model, chat, prompts, temperature, 40, infra.WaveCache()))
     monkeypatch.undo()
     sampled = torch.log_softmax(scores[0].float(), -1).gather(-1, new[..., None]).squeeze(-1)
     width = max(map(len, prompts))
@@ -503,6 +503,17 @@ def _count_fed_tokens(model):
     return fed
 
 
+def _prefill_every_turn(monkeypatch, prefilled=True):
+    """rollout() with no cache carried from turn to turn (prefilled): each turn feeds whole episodes."""
+    monkeypatch.setattr(loop, "play_turn", _PLAY_TURN)
+    if prefilled:
+        monkeypatch.setattr(loop, "play_turn", lambda model, chat, live, cache, *rest: _PLAY_TURN(
+            model, chat, live, infra.WaveCache(), *rest))
+
+
+_PLAY_TURN = loop.play_turn
+
+
 @pytest.mark.parametrize("batch_episodes", [5, 2])
 def test_the_carried_kv_cache_gives_the_ids_that_prefilling_every_turn_gives(tiny, batch_episodes, monkeypatch):
     """Greedy episodes of 1 to 3 turns (so rows leave the cache mid-wave), in one wave or three:
@@ -513,11 +524,12 @@ def test_the_carried_kv_cache_gives_the_ids_that_prefilling_every_turn_gives(tin
     cfg = dataclasses.replace(cfg, batch_episodes=batch_episodes, max_new_tokens=12)
     monkeypatch.setattr(chat, "stop_ids", [len(chat.tok)])  # all 12 tokens: no padding after a stop
     played, fed = [], []
-    for reference in ({}, {"carry_cache": False}):  # as training plays them, and re-prefilled
+    for prefilled in (False, True):  # as training plays them, and re-prefilled
+        _prefill_every_turn(monkeypatch, prefilled)
         m = copy.deepcopy(model)
         fed.append(_count_fed_tokens(m))
         envs = [_Scripted(n) for n in (3, 1, 2, 3, 2)]
-        played.append(loop.rollout(m, chat, envs, ["x"] * 5, cfg, 0.0, 3, **reference))
+        played.append(loop.rollout(m, chat, envs, ["x"] * 5, cfg, 0.0, 3))
     assert [1 + max(e.turn_of) for e in played[0]] == [3, 1, 2, 3, 2]
     assert [e.ids for e in played[0]] == [e.ids for e in played[1]]
     tokens = sum(len(e.ids) for e in played[0])
@@ -535,7 +547,8 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
     tasks = ["order00_1", "payback01_2", "phone02_3", "payback00_1", "phone01_1", "order02_2"]
     played, calls = [], []
     generate = loop.generate
-    for reference in ({}, {"carry_cache": False}):
+    for prefilled in (False, True):
+        _prefill_every_turn(monkeypatch, prefilled)
         m = copy.deepcopy(model)
         original, prompts = m.generate, []
 
@@ -551,7 +564,7 @@ def test_the_carried_cache_masks_padding_and_what_follows_a_stop_token(tiny, mon
         monkeypatch.setattr(loop, "generate", recording)
         monkeypatch.setattr(m, "generate", with_scores)
         envs = [tiny_world.TinyWorld(t, cfg.code_timeout) for t in tasks]
-        played.append(loop.rollout(m, chat, envs, tasks, cfg, 0.0, 3, **reference))
+        played.append(loop.rollout(m, chat, envs, tasks, cfg, 0.0, 3))
         monkeypatch.undo()
     carried, reprefilled = played
     assert [e.ids for e in carried] == [e.ids for e in reprefilled]

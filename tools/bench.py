@@ -152,7 +152,10 @@ def rollout_figures(model, chat, cfg):
     """8 episodes of 6 turns, 32 sampled tokens a turn: (tokens fed through the model / tokens in
     the finished episodes, with the carried KV cache and re-prefilling; the carry's speedup)."""
     cfg = dataclasses.replace(cfg, batch_episodes=8, max_new_tokens=32, max_context=4096)
-    fed, forward = [0], model.forward
+    fed, forward, play_turn = [0], model.forward, loop.play_turn
+
+    def prefilled(model_, chat_, live, cache, *rest):
+        return play_turn(model_, chat_, live, infra.WaveCache(), *rest)
 
     def counting(*args, **kwargs):
         fed[0] += kwargs["input_ids"].numel()  # the prompts are equal: no padding is fed
@@ -163,11 +166,13 @@ def rollout_figures(model, chat, cfg):
         for carry_cache in (True, False):
             fed[0] = 0
             start = time.perf_counter()
+            loop.play_turn = play_turn if carry_cache else prefilled  # else: every turn anew
             episodes = loop.rollout(model, chat, [FixedWorld() for _ in range(8)], ["x"] * 8,
-                                    cfg, 1.0, 6, carry_cache=carry_cache)
+                                    cfg, 1.0, 6)
             times[carry_cache].append(time.perf_counter() - start)
             ratios[carry_cache] = fed[0] / sum(len(e.ids) for e in episodes)
     model.forward = forward
+    loop.play_turn = play_turn
     return ratios[True], ratios[False], median(times[False]) / median(times[True])
 
 
@@ -286,10 +291,10 @@ def measure(name, cfg):
 
     def one_at_a_time():
         for prompt in prompts:
-            loop.generate(model, chat, [prompt], 1.0, 64)
+            loop.generate(model, chat, [prompt], 1.0, 64, infra.WaveCache())
 
     def batched():
-        loop.generate(model, chat, prompts, 1.0, 64)
+        loop.generate(model, chat, prompts, 1.0, 64, infra.WaveCache())
     speedups = [seconds(one_at_a_time, device) / seconds(batched, device) for _ in range(3)]
     carried, reprefilled, carry_speedup = rollout_figures(model, chat, cfg)
     episodes, layouts, backward = uneven_minibatch(model, chat, cfg)
