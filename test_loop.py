@@ -1540,10 +1540,14 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient():
 def test_passes_hold_rollouts_of_similar_lengths_within_the_token_budget():
     """Longest first; a pass takes the next while rows x its longest stays within the budget and
     pads at most 10%; a rollout longer than the budget runs alone. By hand, budget 800: 1000 alone;
-    300 + 290 (600 cells for 590 tokens); 120 would make 900 > 800 cells, so 120 + 100 (240 for 220)."""
+    300 + 290 (600 cells for 590 tokens); 120 would make 900 > 800 cells, so 120 + 100 (240 for 220).
+    That 120 pads too much as well (900 > 1.1 x 710): three 300s pad nothing, and the budget alone
+    parts them, 300 + 300 (600 cells) then 300 (900 > 800)."""
     eps = [loop.Episode("", None, ids=[0] * n) for n in (100, 300, 290, 120, 1000)]
     assert infra.passes(eps, [0, 1, 2, 3, 4], 800) == [[4], [1, 2], [3, 0]]
     assert infra.passes(eps, [0, 1, 2, 3, 4], 10**6) == [[4], [1, 2], [3, 0]]  # 300 + 290 + 120: 900 > 1.1 x 710
+    three = [eps[1]] * 3
+    assert infra.passes(three, [0, 1, 2], 800) == [[0, 1], [2]] and infra.passes(three, [0, 1, 2], 10**6) == [[0, 1, 2]]
     assert infra.passes(eps, [3, 0], 10**6) == [[3, 0]] and infra.passes(eps, [], 800) == []
 
 
