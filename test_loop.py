@@ -2381,17 +2381,42 @@ def test_a_model_that_cannot_be_loaded_says_why_and_leaves_no_run(tmp_path, hub)
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
-    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
+def _hub_cache(tmp_path, repo):
+    """A Hugging Face cache, tmp_path/hub, that holds the shipped tiny model as the hub's `repo` (a
+    snapshot, refs/main naming it), and the environment of a process that reads it: a hub that
+    cannot be reached."""
+    snapshot = tmp_path / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / ("0" * 40)
     shutil.copytree(SHIPPED, snapshot)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
-    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
+    return snapshot, dict(os.environ, HF_HOME=str(tmp_path), HF_HUB_CACHE=str(tmp_path / "hub"),
+                          HF_ENDPOINT="http://127.0.0.1:1")
+
+
+def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
+    snapshot, env = _hub_cache(tmp_path, "someone/tiny")
     code = "import infra, loop; m, t = infra.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
     r = _run_command([sys.executable, "-c", code], cwd=HERE, env=env, timeout=120)
     vocab = json.loads((snapshot / "config.json").read_text())["vocab_size"]
     assert r.returncode == 0 and r.stdout.split()[-1] == str(vocab), r.stderr[-1000:]
     assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
+
+
+def test_a_lora_adapter_of_a_hub_model_names_the_hub_id_and_loads_from_the_cache(tmp_path):
+    """A LoRA run of a hub id saves an adapter that names that id as its base, not the cache's
+    snapshot folder it was read from (what peft records), which another machine or cache lacks;
+    and --eval of the adapter loads the base by that id, offline."""
+    _, env = _hub_cache(tmp_path, "owner/name")
+    env["HF_HUB_OFFLINE"] = "1"
+    r = _cli(*quick(), "--lora", "--model", "owner/name", "--iterations", "1", "--out", "run", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    adapter = json.loads((tmp_path / "run" / "model" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "owner/name"
+    r = _cli("--tiny", "--eval", "--model", "run/model", "--eval-max-turns", "1", "--max-new-tokens", "4",
+             "--out", "eval", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = infra.read_metrics(tmp_path / "eval" / "metrics.jsonl")
+    assert row["iteration"] == 1  # the adapter's (its trained.json), on the base it names
 
 
 def test_bad_flag_and_missing_model_path(tmp_path, capsys):
