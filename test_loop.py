@@ -2405,11 +2405,12 @@ def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
 def test_a_lora_adapter_of_a_hub_model_names_the_hub_id_and_loads_from_the_cache(tmp_path):
     """A LoRA run of a hub id saves an adapter that names that id as its base, not the cache's
     snapshot folder it was read from (what peft records), which another machine or cache lacks;
-    and --eval of the adapter loads the base by that id, offline."""
+    and --eval of the adapter loads the base by that id, offline. Saving it asks the hub nothing:
+    before, peft looked the id up (23 s with the hub unreachable, a warning offline)."""
     _, env = _hub_cache(tmp_path, "owner/name")
     env["HF_HUB_OFFLINE"] = "1"
     r = _cli(*quick(), "--lora", "--model", "owner/name", "--iterations", "1", "--out", "run", cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr[-2000:]  # none a user cannot act on
     adapter = json.loads((tmp_path / "run" / "model" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "owner/name"
     r = _cli("--tiny", "--eval", "--model", "run/model", "--eval-max-turns", "1", "--max-new-tokens", "4",
