@@ -3926,27 +3926,25 @@ def _descendants(pid):
 def test_a_killed_trainer_leaves_nothing_running(tmp_path, sig):
     """kill -9 or SIGTERM (what Slurm and Kubernetes send first) of a trainer whose worlds run code
     that cannot be stopped from inside: their workers, the forkserver and the resource tracker all
-    end within the world's time limit + margin, and a pipeline that reads the run's output ends.
-    Before, the workers spun at 100% of a core for ever and held the output open."""
+    end at the world's time limit + margin (6 s, 7 here, allowed a minute on a busy machine), and a
+    pipeline that reads the run's output ends. Before, the workers spun at 100% of a core for ever
+    and held the output open."""
     (tmp_path / "stuck_world.py").write_text(STUCK_WORLD)
     stepping = tmp_path / "stepping"
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--env", "stuck_world:StuckWorld",
                              "--iterations", "0", "--code-timeout", "1", "--out", "run"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, STEPPING=str(stepping)))
-    left, deadline = [], time.monotonic() + 120
+    left = []
     try:
-        while not stepping.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _until(lambda: stepping.exists() or proc.poll() is not None, 300)
+        assert stepping.exists(), f"no world stepped; the trainer's exit code: {proc.poll()}"
         left = _descendants(proc.pid)  # the forkserver, the workers, the resource tracker
         proc.send_signal(sig)
-        started = time.monotonic()
-        proc.communicate(timeout=1 + infra.Hosted.MARGIN + 4)  # every holder of the output gone
-        seconds = time.monotonic() - started
+        proc.communicate(timeout=60)  # every holder of the output gone
+        assert len(left) >= 4 and _until(lambda: all(map(_gone, left)), 60), left  # (the output closes first)
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if not all(map(_gone, [proc.pid, *left])) else None
-    assert len(left) >= 4 and seconds < 1 + infra.Hosted.MARGIN + 2, (left, seconds)
-    assert all(_gone(pid) for pid in left)
 
 
 FIRST_ANSWERS = """
