@@ -888,14 +888,14 @@ def load_checkpoint(path, model, opt, cfg):
         say(f"resuming with {' and '.join(changed)}")
 
 def save_model(run_dir, model, tok, iteration):
-    """The weights (or the LoRA adapter) and the tokenizer, and trained.json (the iterations, which
-    --eval reports), written to model.tmp and renamed: model/ is complete or absent."""
+    """The weights (or the LoRA adapter, no embeddings: else peft asks the hub), the tokenizer and
+    trained.json (the iterations, for --eval), to model.tmp, renamed: model/ is whole or absent."""
     options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = sd.get_model_state_dict(model, options=options)  # every rank: it gathers the shards
     if RANK == 0:
         path = os.path.join(run_dir, "model")
         shutil.rmtree(path + ".tmp", ignore_errors=True)  # what a kill may have left
-        model.save_pretrained(path + ".tmp", state_dict=state)
+        model.save_pretrained(path + ".tmp", state_dict=state, save_embedding_layers=False)
         tok.save_pretrained(path + ".tmp")
         trained = json.dumps({"run": os.path.abspath(run_dir), "iteration": iteration})
         pathlib.Path(path + ".tmp", "trained.json").write_text(trained)

@@ -885,6 +885,17 @@ def _gone(pid):
         return True
 
 
+def _until(happened, seconds=120):
+    """Whether happened() came true, asked until it does or for `seconds` at the most: a test waits
+    for the event it expects, however busy the machine; the deadline is only its safety net."""
+    deadline = time.monotonic() + seconds
+    while not happened():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_ctrl_c_while_worlds_hang_as_they_start_stops_at_once_and_kills_them(appworld_root, tmp_path):
     """SIGINT while a wave's two worlds hang as they start (a start deadline of 300 s): the rollout
     kills them and raises it within 2 s (the process's exit then takes the interpreter's teardown:
@@ -1568,10 +1579,14 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient():
 def test_passes_hold_rollouts_of_similar_lengths_within_the_token_budget():
     """Longest first; a pass takes the next while rows x its longest stays within the budget and
     pads at most 10%; a rollout longer than the budget runs alone. By hand, budget 800: 1000 alone;
-    300 + 290 (600 cells for 590 tokens); 120 would make 900 > 800 cells, so 120 + 100 (240 for 220)."""
+    300 + 290 (600 cells for 590 tokens); 120 would make 900 > 800 cells, so 120 + 100 (240 for 220).
+    That 120 pads too much as well (900 > 1.1 x 710): three 300s pad nothing, and the budget alone
+    parts them, 300 + 300 (600 cells) then 300 (900 > 800)."""
     eps = [loop.Episode("", None, ids=[0] * n) for n in (100, 300, 290, 120, 1000)]
     assert infra.passes(eps, [0, 1, 2, 3, 4], 800) == [[4], [1, 2], [3, 0]]
     assert infra.passes(eps, [0, 1, 2, 3, 4], 10**6) == [[4], [1, 2], [3, 0]]  # 300 + 290 + 120: 900 > 1.1 x 710
+    three = [eps[1]] * 3
+    assert infra.passes(three, [0, 1, 2], 800) == [[0, 1], [2]] and infra.passes(three, [0, 1, 2], 10**6) == [[0, 1, 2]]
     assert infra.passes(eps, [3, 0], 10**6) == [[3, 0]] and infra.passes(eps, [], 800) == []
 
 
@@ -2330,15 +2345,21 @@ def test_a_test_command_that_hangs_on_both_ranks_fails_at_its_timeout_and_leaves
     """A test's command that outlives its timeout (a hung 2-rank run) fails the test then, and is
     killed with every process it started: torchrun, its ranks (each in a session of its own, which
     killing torchrun's process group left running, holding the pipes the test waited on) and the
-    ranks' world workers. Before, such a test hung for ever."""
+    ranks' world workers. Before, such a test hung for ever. Its timeout counts from when both
+    ranks hang: they take 5 s to get there here, and twice that and more on a busy machine."""
     monkeypatch.setenv("LOOP_HANG_TEST", str(tmp_path))  # what each process of the run inherits
-    started = time.monotonic()
+    started, hung, communicate = [tmp_path / f"started.{rank}" for rank in (0, 1)], [], subprocess.Popen.communicate
+
+    def once_both_hang(proc, input=None, timeout=None):  # (what the run prints till then fits its pipes)
+        _until(lambda: all(map(os.path.exists, started)) or proc.poll() is not None, 300)
+        hung.append(time.monotonic())
+        return communicate(proc, input, timeout)
+    monkeypatch.setattr(subprocess.Popen, "communicate", once_both_hang)
     with pytest.raises(subprocess.TimeoutExpired):
-        _torchrun("test_loop.py", "hang", str(tmp_path / "started"), timeout=10)  # (hung: after 4 s)
-    assert time.monotonic() - started < 25
-    workers = [int((tmp_path / f"started.{rank}").read_text()) for rank in (0, 1)]  # both hung there
-    time.sleep(0.2)
-    assert not _marked(f"LOOP_HANG_TEST={tmp_path}") and all(map(_gone, workers))
+        _torchrun("test_loop.py", "hang", str(tmp_path / "started"), timeout=2)
+    assert time.monotonic() - hung[0] < 60  # killed then, not when the ranks' sleep(600) ends
+    workers = [int(path.read_text()) for path in started]  # both hung there
+    assert _until(lambda: not _marked(f"LOOP_HANG_TEST={tmp_path}") and all(map(_gone, workers)), 60)
 
 
 # ---------------- infra.py: loading, LoRA, FSDP2, the log-prob head; the chat template (chat.py)
@@ -2405,17 +2426,43 @@ def test_a_model_that_cannot_be_loaded_says_why_and_leaves_no_run(tmp_path, hub)
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
-    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
+def _hub_cache(tmp_path, repo):
+    """A Hugging Face cache, tmp_path/hub, that holds the shipped tiny model as the hub's `repo` (a
+    snapshot, refs/main naming it), and the environment of a process that reads it: a hub that
+    cannot be reached."""
+    snapshot = tmp_path / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / ("0" * 40)
     shutil.copytree(SHIPPED, snapshot)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
-    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:1")
+    return snapshot, dict(os.environ, HF_HOME=str(tmp_path), HF_HUB_CACHE=str(tmp_path / "hub"),
+                          HF_ENDPOINT="http://127.0.0.1:1")
+
+
+def test_a_model_in_the_hub_cache_loads_with_the_hub_unreachable(tmp_path):
+    snapshot, env = _hub_cache(tmp_path, "someone/tiny")
     code = "import infra, loop; m, t = infra.load_pretrained(loop.parse_config(['--env', 'tiny', '--model', 'someone/tiny'])); print(len(t))"
     r = _run_command([sys.executable, "-c", code], cwd=HERE, env=env, timeout=120)
     vocab = json.loads((snapshot / "config.json").read_text())["vocab_size"]
     assert r.returncode == 0 and r.stdout.split()[-1] == str(vocab), r.stderr[-1000:]
     assert "127.0.0.1:1" not in r.stderr  # the hub was not asked (it retries for 23 s per file)
+
+
+def test_a_lora_adapter_of_a_hub_model_names_the_hub_id_and_loads_from_the_cache(tmp_path):
+    """A LoRA run of a hub id saves an adapter that names that id as its base, not the cache's
+    snapshot folder it was read from (what peft records), which another machine or cache lacks;
+    and --eval of the adapter loads the base by that id, offline. Saving it asks the hub nothing:
+    before, peft looked the id up (23 s with the hub unreachable, a warning offline)."""
+    _, env = _hub_cache(tmp_path, "owner/name")
+    env["HF_HUB_OFFLINE"] = "1"
+    r = _cli(*quick(), "--lora", "--model", "owner/name", "--iterations", "1", "--out", "run", cwd=tmp_path, env=env)
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr[-2000:]  # none a user cannot act on
+    adapter = json.loads((tmp_path / "run" / "model" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "owner/name"
+    r = _cli("--tiny", "--eval", "--model", "run/model", "--eval-max-turns", "1", "--max-new-tokens", "4",
+             "--out", "eval", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = infra.read_metrics(tmp_path / "eval" / "metrics.jsonl")
+    assert row["iteration"] == 1  # the adapter's (its trained.json), on the base it names
 
 
 def test_bad_flag_and_missing_model_path(tmp_path, capsys):
@@ -4022,27 +4069,25 @@ def _descendants(pid):
 def test_a_killed_trainer_leaves_nothing_running(tmp_path, sig):
     """kill -9 or SIGTERM (what Slurm and Kubernetes send first) of a trainer whose worlds run code
     that cannot be stopped from inside: their workers, the forkserver and the resource tracker all
-    end within the world's time limit + margin, and a pipeline that reads the run's output ends.
-    Before, the workers spun at 100% of a core for ever and held the output open."""
+    end at the world's time limit + margin (6 s, 7 here, allowed a minute on a busy machine), and a
+    pipeline that reads the run's output ends. Before, the workers spun at 100% of a core for ever
+    and held the output open."""
     (tmp_path / "stuck_world.py").write_text(STUCK_WORLD)
     stepping = tmp_path / "stepping"
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), "--tiny", "--env", "stuck_world:StuckWorld",
                              "--iterations", "0", "--code-timeout", "1", "--out", "run"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, STEPPING=str(stepping)))
-    left, deadline = [], time.monotonic() + 120
+    left = []
     try:
-        while not stepping.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _until(lambda: stepping.exists() or proc.poll() is not None, 300)
+        assert stepping.exists(), f"no world stepped; the trainer's exit code: {proc.poll()}"
         left = _descendants(proc.pid)  # the forkserver, the workers, the resource tracker
         proc.send_signal(sig)
-        started = time.monotonic()
-        proc.communicate(timeout=1 + infra.Hosted.MARGIN + 4)  # every holder of the output gone
-        seconds = time.monotonic() - started
+        proc.communicate(timeout=60)  # every holder of the output gone
+        assert len(left) >= 4 and _until(lambda: all(map(_gone, left)), 60), left  # (the output closes first)
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if not all(map(_gone, [proc.pid, *left])) else None
-    assert len(left) >= 4 and seconds < 1 + infra.Hosted.MARGIN + 2, (left, seconds)
-    assert all(_gone(pid) for pid in left)
 
 
 FIRST_ANSWERS = """
