@@ -8,6 +8,7 @@ import dataclasses
 import faulthandler
 import fcntl
 import functools
+import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -17,6 +18,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import pathlib
+import queue
 import shlex
 import shutil
 import signal
@@ -25,7 +27,9 @@ import sys
 import threading
 import time
 import unittest.mock
+import urllib.error
 import urllib.parse
+import urllib.request
 import warnings
 
 import torch
@@ -550,6 +554,177 @@ class WaveCache:
         self.mask = torch.cat([attn, sampled[:, :n - 1]], 1)
         self.fed = [len(p) + min(len(r), n - 1) for p, r in zip(prompts, rows)]
 
+# Rollouts on vLLM servers (--vllm), as the reference code samples: token ids in, ids and log-probs
+# out; the policy's LoRA adapter loaded into every server after each update
+class ServerFailed(Exception):
+    """A server died, hung or answered what the protocol does not allow: the run stops (Run)."""
+
+class Servers:
+    """The running vLLM servers --vllm names, checked at start: each serves the run's base model
+    with room for --max-context. An episode keeps its server, whose prefix cache holds its turns."""
+
+    def __init__(self, cfg):
+        if not (cfg.lora or cfg.eval):  # a running server loads adapters, not new full weights
+            die("--vllm trains the LoRA adapter it loads into the servers after each update: "
+                "add --lora")
+        self.urls = [url.rstrip("/") for url in cfg.vllm.split(",")]
+        self.timeout, self.stopped, self.row, self.lora = cfg.vllm_timeout, False, {}, cfg.lora
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (localhost)
+        adapter = pathlib.Path(os.path.expanduser(cfg.model), "adapter_config.json")
+        base = json.loads(adapter.read_text())["base_model_name_or_path"] if adapter.exists() \
+            else cfg.model  # (--eval of a LoRA run's model/)
+        self.evaluated_adapter = str(adapter.parent) if adapter.exists() else None
+        for url in self.urls:
+            try:
+                models = self.call(url, "/v1/models")["data"]
+            except (ServerFailed, KeyError, TypeError) as e:
+                die(f"{first_line(e)}: start it (README: sampling on vLLM servers) or give --vllm "
+                    "the URL of a running one")
+            served = [m for m in models if base in (m["id"], m["root"])
+                      or os.path.exists(base) and same("model", m["root"], base)]
+            if not served:
+                die(f"the vLLM server at {url} serves {models[0]['id']}, not {base}: start it "
+                    f"with --model {base} (or --served-model-name {base})")
+            if served[0]["max_model_len"] < cfg.max_context:
+                die(f"the vLLM server at {url} holds {served[0]['max_model_len']} tokens, less "
+                    f"than --max-context {cfg.max_context}: start it with --max-model-len "
+                    f"{cfg.max_context}")
+        self.adapter = served[0]["id"]  # (the base model, until a LoRA adapter is taken)
+
+    def call(self, url, path, body=None):
+        """The server's answer (JSON, else its text) within --vllm-timeout, or ServerFailed."""
+        if self.stopped:  # the rollout ended (Ctrl-C, another episode's failure)
+            raise ServerFailed("the rollout was stopped")
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+        try:
+            with self.opener.open(request, timeout=self.timeout) as reply:
+                text = reply.read().decode()
+        except urllib.error.HTTPError as e:
+            raise ServerFailed(f"the vLLM server at {url} refused {path}: "
+                               f"{first_line(e.read().decode() or e)}") from None
+        except (OSError, ValueError) as e:  # refused, reset, timed out
+            late = isinstance(getattr(e, "reason", e), TimeoutError)
+            why = f"within --vllm-timeout {self.timeout:g} s" if late else f"({first_line(e)})"
+            raise ServerFailed(f"the vLLM server at {url} did not answer {path} {why}") from None
+        return json.loads(text) if path in ("/v1/models", "/v1/completions") else text
+
+    def sample(self, url, ids, temperature, max_tokens, stop_ids):
+        """One turn after `ids`, as generate() samples it: the plain softmax at the temperature (no
+        top-k, top-p or penalties), only the chat's stop ids. The sampled ids and their log p."""
+        body = {"model": self.adapter, "prompt": ids, "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                "repetition_penalty": 1.0, "ignore_eos": True, "stop_token_ids": stop_ids,
+                "logprobs": 0, "return_token_ids": True}
+        choice = self.call(url, "/v1/completions", body)["choices"][0]
+        new, logp = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
+        if not (isinstance(new, list) and isinstance(logp, list) and 0 < len(new) == len(logp)
+                <= max_tokens and all(type(t) is int for t in new)
+                and all(isinstance(x, float) for x in logp)):
+            raise ServerFailed(f"the vLLM server at {url} answered a completion without its "
+                               "token ids and their log-probs (vLLM >= 0.10 returns them)")
+        return new, logp
+
+    def play(self, play, worlds, task_ids, at_once, desc):
+        """play(world, task_id, sample) for each episode in a thread, at most `at_once` at a time
+        (so many worlds' workers): none waits for another. The episodes in order; the row: the
+        adapter that sampled and the servers' prefix-cache hits over the rollout."""
+        before, results, episodes = self.prefix_cache(), queue.Queue(), [None] * len(worlds)
+        self.stopped = False
+
+        def episode(i):
+            sample = functools.partial(self.sample, self.urls[i % len(self.urls)])
+            try:
+                results.put((i, play(worlds[i], task_ids[i], sample)))
+            except BaseException as e:  # noqa: BLE001 - the rollout's thread re-raises it
+                results.put((i, e))
+
+        started = 0
+        with tqdm(total=len(worlds), desc=desc, leave=False, disable=True if RANK else None) as bar:
+            try:
+                for done in range(len(worlds)):
+                    while started < len(worlds) and started - done < at_once:
+                        threading.Thread(target=episode, args=(started,), daemon=True).start()
+                        started += 1
+                    i, episodes[i] = results.get()
+                    if isinstance(episodes[i], BaseException):
+                        raise episodes[i]
+                    bar.update()
+            except BaseException:
+                self.stopped = True  # the threads still in flight end at their next request
+                for world in worlds:
+                    getattr(world, "close", lambda: None)()
+                raise
+        hits, queries = (after - first for after, first in zip(self.prefix_cache(), before))
+        self.row = {"adapter": self.adapter, "prefix_cache_hit_rate": hits / max(queries, 1)}
+        return episodes
+
+    def prefix_cache(self):
+        """Prefix-cache hits and queries (tokens) so far, summed over the servers."""
+        totals = [0.0, 0.0]
+        for url in self.urls:
+            for line in self.call(url, "/metrics").splitlines():
+                name = line.split("{")[0]
+                for j, key in enumerate(["vllm:prefix_cache_hits_total",
+                                         "vllm:prefix_cache_queries_total"]):
+                    totals[j] += float(line.split()[-1]) if name == key else 0.0
+        return totals
+
+    def take(self, model, run_dir, iteration):
+        """The servers sample the policy from now on: its LoRA adapter (every rank gathers it, rank
+        0 writes it to RUN/sampler and loads it into each server, named by the run and iteration),
+        the run's others unloaded. Without LoRA (--eval of full weights): the model they serve."""
+        if not (self.lora or self.evaluated_adapter):
+            return
+        folder = os.path.join(run_dir, "sampler")
+        path = self.evaluated_adapter or os.path.join(folder, str(iteration))
+        weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+                   for n, p in model.named_parameters() if p.requires_grad}  # the adapter alone
+        digest = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:8]
+        self.prefix, refused = f"loop-{digest}-", [None]  # (rank 0's reason, sent to all)
+        if RANK == 0:
+            written = not (self.evaluated_adapter or os.path.exists(path))  # (a resume's is)
+            if not self.evaluated_adapter:
+                model.save_pretrained(path, state_dict=weights, save_embedding_layers=False)
+            try:
+                self.release()  # the previous one, or those of this run's killed trainer
+                for url in self.urls:
+                    self.call(url, "/v1/load_lora_adapter", {"lora_name": self.prefix +
+                              str(iteration), "lora_path": os.path.abspath(path)})
+            except ServerFailed as e:
+                refused[0] = (f"{e}: start it with --enable-lora --max-lora-rank 16 and "
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+            for old in os.listdir(folder) if os.path.isdir(folder) else []:
+                if old != str(iteration) or refused[0] and written:  # unloaded, or never loaded
+                    shutil.rmtree(os.path.join(folder, old))
+            remove_empty([folder])
+        if WORLD > 1:  # no rank samples from it before every server has it
+            dist.broadcast_object_list(refused)
+        if refused[0]:
+            raise ServerFailed(refused[0])
+        self.adapter = self.prefix + str(iteration)
+
+    def release(self):
+        """The run's adapters unloaded from its servers (at its end too: they are shared)."""
+        for url in self.urls * (RANK == 0 and hasattr(self, "prefix")):
+            for model in self.call(url, "/v1/models")["data"]:
+                if model["id"].startswith(self.prefix):
+                    self.call(url, "/v1/unload_lora_adapter", {"lora_name": model["id"]})
+
+def mismatch(episodes, old, used):
+    """How far the sampler's log p of the sampled tokens is from the learner's (--vllm), over the
+    rollouts the update uses: mean and max |delta| (the training-inference mismatch)."""
+    total, count, worst = 0.0, 0, 0.0
+    for i in used:
+        sampled = torch.tensor(episodes[i].sampler_logp[1:])
+        known = torch.tensor(episodes[i].is_output[1:]) & ~sampled.isnan()
+        delta = (sampled - old[i].cpu())[known].abs()
+        total, count = total + delta.sum().item(), count + delta.numel()
+        worst = max(worst, delta.max().item()) if delta.numel() else worst
+    total, count = all_reduce([total, count])
+    worst = all_reduce([worst], dist.ReduceOp.MAX)[0]
+    return {"mismatch_mean": total / count, "mismatch_max": worst} if count else {}
+
 # Loading: a local directory or a hub id, bf16, LoRA
 MODEL_FILES = {"config.json": ["config.json", "adapter_config.json"],  # (a LoRA adapter's)
                "weights (*.safetensors)": ["*.safetensors", "*.bin"],
@@ -1017,6 +1192,7 @@ class Run:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1-process DCP
         if self.cfg.fsdp:
             start_distributed()
+        self.servers = Servers(self.cfg) if self.cfg.vllm else None  # checked before any writing
         self.dir, self.made = (self.cfg.resume, []) if self.cfg.resume else claim(self.cfg)
         self.checkpoint, self.begin = last_checkpoint(self.dir, self.cfg)  # (a fresh run: none)
         rows = read_metrics(os.path.join(self.dir, "metrics.jsonl"))  # a resume's, before any work
@@ -1082,6 +1258,10 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         release(self.dir)  # (under FSDP the others wait for rank 0 below)
+        if self.servers and kind is not ServerFailed:  # (a server that failed: no more waiting)
+            self.servers.stopped = False
+            with contextlib.suppress(ServerFailed):
+                self.servers.release()
         self.bar.close()
         if kind is KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
             sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
@@ -1093,6 +1273,12 @@ class Run:
         if kind is WorldsFailed:
             say(f"error: {error}")
             sys.exit(1)
+        if kind is ServerFailed:  # (at the start: the directory is as it was, or none)
+            if os.path.exists(os.path.join(self.dir, "config.json")) and not self.cfg.eval:
+                say(f"error: {error}: the finished iterations are kept; once it serves again, "
+                    f"continue with `{shell(*launcher(self.cfg), '--resume', self.dir)}`")
+                sys.exit(1)
+            die(str(error))
         if kind is None and self.cfg.fsdp:  # not after an error: the failed rank would wait here
             dist.barrier()  # no rank tears the group down while another still writes the model
             dist.destroy_process_group()

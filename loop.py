@@ -89,6 +89,9 @@ class Config:
     temperature: float = setting(1.0, "Temperature of training rollouts, and of their scoring.")
     eval_temperature: float = setting(0.0, "Evaluation's temperature (0 = greedy).", at_least=0)
     batch_episodes: int = setting(6, "Episodes played at once per rank (32B: 8.6 GB of KV each).")
+    vllm: str = setting("", "URLs of running vLLM servers (comma-separated) that sample the "
+                        "rollouts, the policy's LoRA adapter loaded after each update (--lora).")
+    vllm_timeout: float = setting(600.0, "Seconds a vLLM server may take to answer a request.")
     # systems: memory and GPUs
     micro_batch_tokens: int = setting(16384, "Cells (rows x longest) a pass holds; longer: alone.")
     logprob_chunk: int = setting(512, "Positions per chunk of the update's vocabulary projection.")
@@ -131,14 +134,16 @@ class Episode:
     success: bool = False
     checks: tuple = (0, 0)  # the world's tests: passed, total
     failed: bool = False  # the world died, hung or did not start: an infrastructure failure
+    sampler_logp: list = dataclasses.field(default_factory=list)  # a vLLM server's log p; NaN: none
 
-    def add(self, ids, output=False, turn=-1):
+    def add(self, ids, output=False, turn=-1, logp=None):
         """ids join the episode as far as its context cap allows, the one place the cap is kept:
         an episode that reaches it is done, and no id ever lies beyond it."""
         ids = ids[:self.cap - len(self.ids)]
         self.ids += ids
         self.is_output += [output] * len(ids)
         self.turn_of += [turn] * len(ids)
+        self.sampler_logp += (logp or [math.nan] * len(ids))[:len(ids)]
         self.done = self.done or len(self.ids) >= self.cap
 
 
@@ -163,10 +168,15 @@ def generate(model, chat, prompts, temperature, max_new_tokens, cache):
     cache.grew(attn, prompts, rows, out.shape[1] - ids.shape[1])
     return rows
 
-def rollout(model, chat, worlds, task_ids, cfg, temperature, max_turns, desc="rollout"):
+def rollout(model, chat, worlds, task_ids, cfg, temperature, max_turns, desc="rollout",
+            servers=None):
     """The POMDP (§4.1) in waves of --batch-episodes: each turn, one batched generation for the
     live episodes, then their code runs in their worlds. Every rank runs the busiest's turns (FSDP),
-    with a dummy if it has none left."""
+    with a dummy if it has none left. With vLLM servers, each episode plays on its own."""
+    if servers:  # up to --batch-episodes at once, each sending its turn when its observation is in
+        play = functools.partial(play_episode, chat=chat, cfg=cfg, temperature=temperature,
+                                 max_turns=max_turns)
+        return servers.play(play, worlds, task_ids, cfg.batch_episodes, desc)
     model.eval()
     pairs = list(zip(worlds, task_ids))
     waves = [pairs[s:s + cfg.batch_episodes] for s in range(0, len(pairs), cfg.batch_episodes)]
@@ -200,6 +210,19 @@ def play_turn(model, chat, live, cache, temperature, turn, max_turns, cfg):
     for e, output in zip(live, results):
         observe(e, output, turn == max_turns - 1, chat, cfg)
 
+def play_episode(world, task_id, sample, chat, cfg, temperature, max_turns):
+    """One episode whose turns a vLLM server samples (`sample`): the turns of play_turn, alone."""
+    e = start_wave([(world, task_id)], chat, cfg)[0]
+    for turn in range(max_turns):
+        if e.done:
+            break
+        room = cfg.max_context - len(e.ids)
+        new, logp = sample(e.ids, temperature, min(cfg.max_new_tokens, room), chat.stop_ids)
+        code = act(e, new, turn, chat, logp)
+        observe(e, world.step(code), turn == max_turns - 1, chat, cfg)
+    score_wave([e])
+    return e
+
 def start_wave(pairs, chat, cfg):
     """A wave's worlds start together (their messages()); an episode opens with the prompt."""
     wave = []
@@ -225,10 +248,10 @@ def score_wave(wave):
         e.reward = passed / total
         e.success = passed == total
 
-def act(e, new, turn, chat):
+def act(e, new, turn, chat, logp=None):
     """The sampled turn joins the episode as actions; returns the code in what joined."""
     start = len(e.ids)
-    e.add(new, output=True, turn=turn)
+    e.add(new, output=True, turn=turn, logp=logp)
     # whole turns: characters stay intact; read as the template renders it, after its <think>
     text = chat.reply_start + chat.tok.decode(e.ids[start:], skip_special_tokens=True)
     e.transcript.append({"role": "assistant", "content": text})
@@ -296,7 +319,7 @@ def loop_loss(logp, old_logp, adv, mask, turn_of, ratio="token", eps=0.1):
     return -(objective * mask).sum(1) / n, n_clipped
 
 # 5. One LOOP iteration (the body of Algorithm 1), and its update: PPO epochs of minibatches
-def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
+def train_iteration(model, opt, chat, cfg, train_tasks, iteration, servers=None):
     """N tasks x K rollouts -> leave-one-out advantages (Eq. 3) -> PPO epochs (Eq. 5); returns the
     metrics row."""
     started = time.time()
@@ -312,7 +335,8 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     # the K worlds of a task save their outputs apart
     worlds = [infra.Hosted(World, task, cfg.code_timeout, f"loop-train-rollout{i % k}")
               for i, task in enumerate(task_ids)]
-    episodes = rollout(model, chat, worlds, task_ids, cfg, cfg.temperature, cfg.max_turns)
+    episodes = rollout(model, chat, worlds, task_ids, cfg, cfg.temperature, cfg.max_turns,
+                       servers=servers)
     rolled = time.time()
     infra.stop_if_every_world_failed(episodes, f"iteration {iteration}")
     rewards = torch.tensor([e.reward for e in episodes]).view(len(tasks), k)
@@ -321,7 +345,7 @@ def train_iteration(model, opt, chat, cfg, train_tasks, iteration):
     stats = update(model, opt, episodes, advantages, cfg)
     row = rollout_metrics(episodes, World, (rewards * valid).sum().item())
     return {"iteration": iteration, **row, **stats, "rollout_seconds": round(rolled - started, 2),
-            "seconds": round(time.time() - started, 2)}
+            "seconds": round(time.time() - started, 2), **(servers.row if servers else {})}
 
 def rollout_metrics(episodes, World, reward):
     """Means over all ranks' rollouts (`reward`: this rank's sum where the world held up)."""
@@ -365,6 +389,7 @@ def update(model, opt, episodes, advantages, cfg):
         return stats
     started = time.time()
     old = old_logprobs(model, episodes, used, cfg)
+    stats.update(infra.mismatch(episodes, old, used))  # the sampler's log p against old's (--vllm)
     stats["old_logprob_seconds"] = round(time.time() - started, 2)
     started = time.time()  # the passes'
     model.train()
@@ -484,7 +509,7 @@ def goal_completion(results):
             "tasks": len(results),
             "per_task": {task_id: success for task_id, success, _ in results}}
 
-def evaluate(model, chat, cfg, split, iteration, run_dir):
+def evaluate(model, chat, cfg, split, iteration, run_dir, servers=None):
     """One episode per task of `split`: the metrics row; 3 of the episodes to transcripts/."""
     started = time.time()
     World = environment(cfg.env)
@@ -492,12 +517,13 @@ def evaluate(model, chat, cfg, split, iteration, run_dir):
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
     worlds = [infra.Hosted(World, t, cfg.code_timeout, experiment) for t in tasks]
     episodes = rollout(model, chat, worlds, tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
-                       desc=f"eval {split}")
+                       desc=f"eval {split}", servers=servers)
     infra.stop_if_every_world_failed(episodes, f"the evaluation of {split}")
     results = infra.gather([(e.task_id, e.success, e.reward) for e in episodes])  # every rank's
     failures = infra.all_reduce([sum(e.failed for e in episodes)])[0]  # counted as not completed
     row = {"iteration": iteration, "split": split, **goal_completion(results),
-           "env_failures": int(failures), "seconds": round(time.time() - started, 2)}
+           "env_failures": int(failures), "seconds": round(time.time() - started, 2),
+           **(servers.row if servers else {})}
     if cfg.env == "appworld":  # `appworld evaluate <experiment> <split>` reports the same numbers
         row["appworld_experiment"] = experiment
     infra.write_transcripts(run_dir, split, iteration, episodes, scenario)
@@ -513,20 +539,25 @@ def main(argv=None):
     with infra.Run(cfg, World) as run:  # FSDP's ranks; the directory, claimed or resumed; Ctrl-C
         if run.finished:
             return
+        servers = run.servers  # vLLM servers that sample the rollouts (--vllm), or none
         with run.starting():  # a start that fails leaves the directory as it was, or none
             model, tok, chat, opt, train_tasks = start(cfg, World, run.checkpoint)
+            if servers:  # they sample the policy: a resume's, its checkpoint's
+                servers.take(model, run.dir, run.begin)
         # FSDP casts by its own mixed-precision policy
         with torch.autocast(infra.DEVICE.type, torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
             if cfg.eval:  # a run's model/ reports the iteration it was trained to
                 trained = infra.trained_to(cfg.model) or 0
-                run.log(evaluate(model, chat, cfg, cfg.split, trained, run.dir))
+                run.log(evaluate(model, chat, cfg, cfg.split, trained, run.dir, servers))
             else:
                 if not run.begin and not run.evaluated_at_0:  # (a killed run's is kept)
-                    run.log(evaluate(model, chat, cfg, cfg.split, 0, run.dir))
+                    run.log(evaluate(model, chat, cfg, cfg.split, 0, run.dir, servers))
                 for iteration in run.progress(range(run.begin + 1, cfg.iterations + 1)):
-                    run.log(train_iteration(model, opt, chat, cfg, train_tasks, iteration))
+                    run.log(train_iteration(model, opt, chat, cfg, train_tasks, iteration, servers))
+                    if servers:  # theta_old <- theta: the next rollouts sample the updated policy
+                        servers.take(model, run.dir, iteration)
                     if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
-                        run.log(evaluate(model, chat, cfg, cfg.split, iteration, run.dir))
+                        run.log(evaluate(model, chat, cfg, cfg.split, iteration, run.dir, servers))
                     infra.save_checkpoint(run.dir, model, opt, iteration, cfg)
         run.finish(model, tok)  # model/ (none after an evaluation or 0 iterations), what next
 

