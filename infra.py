@@ -19,6 +19,7 @@ import multiprocessing.forkserver
 import os
 import pathlib
 import queue
+import random
 import shlex
 import shutil
 import signal
@@ -585,10 +586,9 @@ class Servers:
             if not served:
                 die(f"the vLLM server at {url} serves {models[0]['id']}, not {base}: start it "
                     f"with --model {base} (or --served-model-name {base})")
-            if served[0]["max_model_len"] < cfg.max_context:
-                die(f"the vLLM server at {url} holds {served[0]['max_model_len']} tokens, less "
-                    f"than --max-context {cfg.max_context}: start it with --max-model-len "
-                    f"{cfg.max_context}")
+            if (room := served[0]["max_model_len"]) < cfg.max_context:
+                die(f"the vLLM server at {url} holds {room} tokens, not --max-context "
+                    f"{cfg.max_context}: start it with --max-model-len {cfg.max_context}")
         self.adapter = served[0]["id"]  # (the base model, until a LoRA adapter is taken)
 
     def call(self, url, path, body=None):
@@ -609,37 +609,34 @@ class Servers:
             raise ServerFailed(f"the vLLM server at {url} did not answer {path} {why}") from None
         return json.loads(text) if path in ("/v1/models", "/v1/completions") else text
 
-    def sample(self, url, ids, temperature, max_tokens, stop_ids):
+    def sample(self, url, ids, temperature, max_tokens, stop_ids, seed=0):
         """One turn after `ids`, as generate() samples it: the plain softmax at the temperature (no
-        top-k, top-p or penalties), only the chat's stop ids. The sampled ids and their log p."""
+        top-k, top-p or penalties), only the chat's stop ids, seeded. The ids and their log p."""
         body = {"model": self.adapter, "prompt": ids, "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                 "repetition_penalty": 1.0, "ignore_eos": True, "stop_token_ids": stop_ids,
-                "logprobs": 0, "return_token_ids": True}
-        choice = self.call(url, "/v1/completions", body)["choices"][0]
+                "logprobs": 0, "return_token_ids": True, "seed": seed + len(ids)}
+        choice = (self.call(url, "/v1/completions", body).get("choices") or [{}])[0]
         new, logp = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
         if not (isinstance(new, list) and isinstance(logp, list) and 0 < len(new) == len(logp)
-                <= max_tokens and all(type(t) is int for t in new)
-                and all(isinstance(x, float) for x in logp)):
+                <= max_tokens and {*map(type, new)} == {int} and {*map(type, logp)} == {float}):
             raise ServerFailed(f"the vLLM server at {url} answered a completion without its "
                                "token ids and their log-probs (vLLM >= 0.10 returns them)")
         return new, logp
 
     def play(self, play, worlds, task_ids, at_once, desc):
-        """play(world, task_id, sample) for each episode in a thread, at most `at_once` at a time
-        (so many worlds' workers): none waits for another. The episodes in order; the row: the
-        adapter that sampled and the servers' prefix-cache hits over the rollout."""
+        """play(world, task_id, sample) for each episode in a thread, `at_once` at most (so many
+        worlds' workers); none waits for another. The row: its adapter, its prefix-cache hits."""
+        self.stopped, started, seeds = False, 0, [random.getrandbits(62) for _ in worlds]
         before, results, episodes = self.prefix_cache(), queue.Queue(), [None] * len(worlds)
-        self.stopped = False
 
-        def episode(i):
-            sample = functools.partial(self.sample, self.urls[i % len(self.urls)])
+        def episode(i):  # (seeded as the iteration is: a resumed run samples what it would have)
+            sample = functools.partial(self.sample, self.urls[i % len(self.urls)], seed=seeds[i])
             try:
                 results.put((i, play(worlds[i], task_ids[i], sample)))
             except BaseException as e:  # noqa: BLE001 - the rollout's thread re-raises it
                 results.put((i, e))
 
-        started = 0
         with tqdm(total=len(worlds), desc=desc, leave=False, disable=True if RANK else None) as bar:
             try:
                 for done in range(len(worlds)):
@@ -659,21 +656,14 @@ class Servers:
         self.row = {"adapter": self.adapter, "prefix_cache_hit_rate": hits / max(queries, 1)}
         return episodes
 
-    def prefix_cache(self):
-        """Prefix-cache hits and queries (tokens) so far, summed over the servers."""
-        totals = [0.0, 0.0]
-        for url in self.urls:
-            for line in self.call(url, "/metrics").splitlines():
-                name = line.split("{")[0]
-                for j, key in enumerate(["vllm:prefix_cache_hits_total",
-                                         "vllm:prefix_cache_queries_total"]):
-                    totals[j] += float(line.split()[-1]) if name == key else 0.0
-        return totals
+    def prefix_cache(self):  # the servers' prefix-cache hits and queries (tokens) so far
+        lines = "".join(self.call(url, "/metrics") for url in self.urls).splitlines()
+        return [sum(float(line.split()[-1]) for line in lines if line.startswith(
+            f"vllm:prefix_cache_{kind}_total{{")) for kind in ("hits", "queries")]
 
     def take(self, model, run_dir, iteration):
         """The servers sample the policy from now on: its LoRA adapter (every rank gathers it, rank
-        0 writes it to RUN/sampler and loads it into each server, named by the run and iteration),
-        the run's others unloaded. Without LoRA (--eval of full weights): the model they serve."""
+        0 writes it to RUN/sampler, loads it into each, unloads the run's others); else the base."""
         if not (self.lora or self.evaluated_adapter):
             return
         folder = os.path.join(run_dir, "sampler")
@@ -683,7 +673,6 @@ class Servers:
         digest = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:8]
         self.prefix, refused = f"loop-{digest}-", [None]  # (rank 0's reason, sent to all)
         if RANK == 0:
-            written = not (self.evaluated_adapter or os.path.exists(path))  # (a resume's is)
             if not self.evaluated_adapter:
                 model.save_pretrained(path, state_dict=weights, save_embedding_layers=False)
             try:
@@ -695,17 +684,15 @@ class Servers:
                 refused[0] = (f"{e}: start it with --enable-lora --max-lora-rank 16 and "
                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
             for old in os.listdir(folder) if os.path.isdir(folder) else []:
-                if old != str(iteration) or refused[0] and written:  # unloaded, or never loaded
+                if old != str(iteration):  # unloaded: the servers read it no more
                     shutil.rmtree(os.path.join(folder, old))
-            remove_empty([folder])
         if WORLD > 1:  # no rank samples from it before every server has it
             dist.broadcast_object_list(refused)
         if refused[0]:
             raise ServerFailed(refused[0])
         self.adapter = self.prefix + str(iteration)
 
-    def release(self):
-        """The run's adapters unloaded from its servers (at its end too: they are shared)."""
+    def release(self):  # the run's adapters unloaded from its servers (shared: at its end too)
         for url in self.urls * (RANK == 0 and hasattr(self, "prefix")):
             for model in self.call(url, "/v1/models")["data"]:
                 if model["id"].startswith(self.prefix):
@@ -714,15 +701,12 @@ class Servers:
 def mismatch(episodes, old, used):
     """How far the sampler's log p of the sampled tokens is from the learner's (--vllm), over the
     rollouts the update uses: mean and max |delta| (the training-inference mismatch)."""
-    total, count, worst = 0.0, 0, 0.0
-    for i in used:
-        sampled = torch.tensor(episodes[i].sampler_logp[1:])
-        known = torch.tensor(episodes[i].is_output[1:]) & ~sampled.isnan()
-        delta = (sampled - old[i].cpu())[known].abs()
-        total, count = total + delta.sum().item(), count + delta.numel()
-        worst = max(worst, delta.max().item()) if delta.numel() else worst
-    total, count = all_reduce([total, count])
-    worst = all_reduce([worst], dist.ReduceOp.MAX)[0]
+    deltas = [(torch.tensor(episodes[i].sampler_logp[1:]) - old[i].cpu()).abs()
+              [torch.tensor(episodes[i].is_output[1:])] for i in used]
+    deltas = torch.cat(deltas or [torch.zeros(0)])
+    deltas = deltas[~deltas.isnan()]  # (a token no server sampled)
+    total, count = all_reduce([deltas.sum().item(), deltas.numel()])
+    worst = all_reduce([deltas.max().item() if deltas.numel() else 0.0], dist.ReduceOp.MAX)[0]
     return {"mismatch_mean": total / count, "mismatch_max": worst} if count else {}
 
 # Loading: a local directory or a hub id, bf16, LoRA
@@ -1218,8 +1202,9 @@ class Run:
         try:
             yield
         except BaseException:  # a fresh run's config.json, the lock, its folders: gone
-            if RANK == 0 and not self.cfg.resume:
+            if RANK == 0 and not self.cfg.resume:  # (and the adapter that --vllm wrote)
                 os.remove(os.path.join(self.dir, "config.json"))
+                shutil.rmtree(os.path.join(self.dir, "sampler"), ignore_errors=True)
             release(self.dir)
             remove_empty(self.made)
             raise
@@ -1263,10 +1248,10 @@ class Run:
             with contextlib.suppress(ServerFailed):
                 self.servers.release()
         self.bar.close()
+        started = os.path.exists(os.path.join(self.dir, "config.json"))
+        resume = shell(*launcher(self.cfg), "--resume", self.dir)
         if kind is KeyboardInterrupt:  # Ctrl-C: one line that says how to go on, not a traceback
             sys.unraisablehook = lambda unraisable: None  # nor a cut-short progress bar's at exit
-            started = os.path.exists(os.path.join(self.dir, "config.json"))
-            resume = shell(*launcher(self.cfg), "--resume", self.dir)
             say(f"\ninterrupted: continue with `{resume}`" if started else
                 "\ninterrupted before the run started: nothing written")
             sys.exit(130)
@@ -1274,11 +1259,11 @@ class Run:
             say(f"error: {error}")
             sys.exit(1)
         if kind is ServerFailed:  # (at the start: the directory is as it was, or none)
-            if os.path.exists(os.path.join(self.dir, "config.json")) and not self.cfg.eval:
-                say(f"error: {error}: the finished iterations are kept; once it serves again, "
-                    f"continue with `{shell(*launcher(self.cfg), '--resume', self.dir)}`")
-                sys.exit(1)
-            die(str(error))
+            if not started or self.cfg.eval:
+                die(str(error))
+            say(f"error: {error}: the finished iterations are kept; once it serves again, "
+                f"continue with `{resume}`")
+            sys.exit(1)
         if kind is None and self.cfg.fsdp:  # not after an error: the failed rank would wait here
             dist.barrier()  # no rank tears the group down while another still writes the model
             dist.destroy_process_group()

@@ -89,8 +89,7 @@ class Config:
     temperature: float = setting(1.0, "Temperature of training rollouts, and of their scoring.")
     eval_temperature: float = setting(0.0, "Evaluation's temperature (0 = greedy).", at_least=0)
     batch_episodes: int = setting(6, "Episodes played at once per rank (32B: 8.6 GB of KV each).")
-    vllm: str = setting("", "URLs of running vLLM servers (comma-separated) that sample the "
-                        "rollouts, the policy's LoRA adapter loaded after each update (--lora).")
+    vllm: str = setting("", "Running vLLM servers' URLs (a,b) that sample rollouts (with --lora).")
     vllm_timeout: float = setting(600.0, "Seconds a vLLM server may take to answer a request.")
     # systems: memory and GPUs
     micro_batch_tokens: int = setting(16384, "Cells (rows x longest) a pass holds; longer: alone.")
@@ -174,8 +173,7 @@ def rollout(model, chat, worlds, task_ids, cfg, temperature, max_turns, desc="ro
     live episodes, then their code runs in their worlds. Every rank runs the busiest's turns (FSDP),
     with a dummy if it has none left. With vLLM servers, each episode plays on its own."""
     if servers:  # up to --batch-episodes at once, each sending its turn when its observation is in
-        play = functools.partial(play_episode, chat=chat, cfg=cfg, temperature=temperature,
-                                 max_turns=max_turns)
+        play = functools.partial(play_episode, chat, cfg, temperature, max_turns)
         return servers.play(play, worlds, task_ids, cfg.batch_episodes, desc)
     model.eval()
     pairs = list(zip(worlds, task_ids))
@@ -210,7 +208,7 @@ def play_turn(model, chat, live, cache, temperature, turn, max_turns, cfg):
     for e, output in zip(live, results):
         observe(e, output, turn == max_turns - 1, chat, cfg)
 
-def play_episode(world, task_id, sample, chat, cfg, temperature, max_turns):
+def play_episode(chat, cfg, temperature, max_turns, world, task_id, sample):
     """One episode whose turns a vLLM server samples (`sample`): the turns of play_turn, alone."""
     e = start_wave([(world, task_id)], chat, cfg)[0]
     for turn in range(max_turns):

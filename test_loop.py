@@ -254,7 +254,7 @@ def _imports(name):
 def test_each_file_keeps_its_budget_and_its_place():
     """What a reader reads next to the paper stays readable: loop.py at most 700 lines (500 of code),
     none over 100 characters, so new machinery goes to infra.py; the tiny world, the template a
-    forker copies, at most 300; all modules beside the tests at most 2,250; the README at most 300.
+    forker copies, at most 300; all modules beside the tests at most 2,450 (2,250 + the vLLM client); the README at most 300.
     infra.py never imports loop, the worlds neither, and loop.py reads infra's names late (infra.X)."""
     modules = [name for name in os.listdir(HERE) if name.endswith(".py") and name != "test_loop.py"]
     assert {"loop.py", "infra.py", "tiny_world.py", "appworld_env.py", "chat.py"} <= set(modules)
@@ -262,7 +262,7 @@ def test_each_file_keeps_its_budget_and_its_place():
     with open(os.path.join(HERE, "loop.py")) as fh:
         assert not [line for line in fh.read().splitlines() if len(line) > 100]
     assert _lines("tiny_world.py") <= 300
-    assert sum(map(_lines, modules)) <= 2250, {name: _lines(name) for name in modules}
+    assert sum(map(_lines, modules)) <= 2450, {name: _lines(name) for name in modules}
     assert _lines("README.md") <= 300
     assert "loop" not in _imports("infra.py") and "loop" not in _imports("chat.py")
     assert not {"loop", "infra"} & (_imports("tiny_world.py") | _imports("appworld_env.py"))
