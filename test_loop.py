@@ -4709,7 +4709,8 @@ def _start_vllm():
     SERVER["process"] = subprocess.Popen(
         [VLLM, "-m", "vllm.entrypoints.openai.api_server", "--model", SHIPPED, "--dtype", "float32",
          "--max-model-len", "1024", "--enforce-eager", "--enable-lora", "--max-lora-rank", "16",
-         "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)],
+         "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs", "--host", "127.0.0.1",
+         "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     SERVER["url"] = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -4749,9 +4750,9 @@ def _served(url):
 
 
 def test_a_vllm_server_samples_what_generate_samples_and_scores_it_as_the_learner(tiny, vllm_server, tmp_path):
-    """Token ids in and out: greedy, the server's ids are generate()'s; at T = 1 its log-probs of
-    what it sampled are the learner's (float32 on CPU: within 1e-4; 1e-5 seen), without and with a
-    LoRA adapter, which the server samples from (its log-probs move from the base model's)."""
+    """Token ids in and out: greedy, the server's ids are generate()'s; at T = 1 and 0.7 its log-probs
+    of what it sampled are the learner's at T (float32 on CPU: within 1e-4; 2e-6 seen), without and
+    with a LoRA adapter, which the server samples from (its log-probs move from the base model's)."""
     cfg, model, chat = tiny
     prompt = chat.prompt(tiny_world.TinyWorld("payback00_1").messages())
     base = infra.Servers(loop.parse_config(["--tiny", "--eval", "--vllm", vllm_server]))
@@ -4766,13 +4767,12 @@ def test_a_vllm_server_samples_what_generate_samples_and_scores_it_as_the_learne
     with_adapter = infra.Servers(lora_cfg)
     with_adapter.take(policy, str(tmp_path), 0)
     assert with_adapter.adapter in _served(vllm_server)
-    for servers, learner in ((base, model), (with_adapter, policy)):
-        torch.manual_seed(0)
-        new, logp = servers.sample(vllm_server, prompt, 1.0, 24, chat.stop_ids)
+    for (servers, learner), temperature in itertools.product(((base, model), (with_adapter, policy)), (1.0, 0.7)):
+        new, logp = servers.sample(vllm_server, prompt, temperature, 24, chat.stop_ids, seed=3)
         ids = torch.tensor([prompt + new])
-        scored = infra.token_logprobs(learner, ids, torch.ones_like(ids), 1.0)[0, len(prompt) - 1:]
-        assert (scored - torch.tensor(logp)).abs().max() <= 1e-4
-    under_base = infra.token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(prompt) - 1:]
+        scored = infra.token_logprobs(learner, ids, torch.ones_like(ids), temperature)[0, len(prompt) - 1:]
+        assert (scored - torch.tensor(logp)).abs().max() <= 1e-4, (temperature, servers.adapter)
+    under_base = infra.token_logprobs(model, ids, torch.ones_like(ids), 0.7)[0, len(prompt) - 1:]
     assert (under_base - torch.tensor(logp)).abs().max() > 1e-2  # the adapter sampled
     with_adapter.release()
     assert with_adapter.adapter not in _served(vllm_server)
