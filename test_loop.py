@@ -4709,8 +4709,8 @@ def _start_vllm():
     SERVER["process"] = subprocess.Popen(
         [VLLM, "-m", "vllm.entrypoints.openai.api_server", "--model", SHIPPED, "--dtype", "float32",
          "--max-model-len", "1024", "--enforce-eager", "--enable-lora", "--max-lora-rank", "16",
-         "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs", "--host", "127.0.0.1",
-         "--port", str(port)],
+         "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs", "--max-num-batched-tokens",
+         "131072", "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     SERVER["url"] = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -4823,13 +4823,18 @@ def test_tiny_lora_trains_on_a_vllm_server_each_iteration_sampling_the_last_upda
     """`--tiny --lora --vllm URL` for 3 iterations: it trains (steps), iteration i's rollouts are
     sampled by the adapter of iteration i-1 (the run's others unloaded), the sampler's log-probs are
     the learner's (max |delta| <= 1e-4), the prefix cache hits. A resume loads its checkpoint's
-    adapter (3) before its first rollout; the evaluation samples the last; at its end the run's
-    adapters leave the (shared) server."""
+    adapter (3) before its first rollout, and unloads what a killed trainer of the run left; the
+    evaluation samples the last; at its end the run's adapters leave the (shared) server."""
     run = tmp_path / "run"
     args = ["--tiny", "--lora", "--vllm", vllm_server, "--tasks-per-iteration", "3", "--rollouts-per-task", "6",
             "--max-turns", "3", "--eval-max-turns", "2", "--eval-every", "100", "--out", str(run)]
     done = _cli(*args, "--iterations", "3")
     assert done.returncode == 0, done.stderr[-3000:]
+    name = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["adapter"]
+    assert not any(served.startswith(name[:-1]) for served in _served(vllm_server))  # unloaded at its end
+    leftover = {"lora_name": name[:-1] + "99", "lora_path": str(run / "sampler" / "3")}  # as a kill -9 leaves
+    infra.Servers(loop.parse_config(["--tiny", "--eval", "--vllm", vllm_server])).call(
+        vllm_server, "/v1/load_lora_adapter", leftover)
     resumed = _cli("--resume", str(run), "--iterations", "4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
