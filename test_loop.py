@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.error
 import urllib.request
 import warnings
 
@@ -4894,32 +4895,66 @@ def test_vllm_servers_that_cannot_serve_the_run_stop_it_before_it_writes_anythin
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in err and not run.exists()
 
 
-def _without_runtime_lora(url):
-    """A proxy to the server at `url` that answers /v1/load_lora_adapter as a vLLM server started
-    without VLLM_ALLOW_RUNTIME_LORA_UPDATING does (404, its body): its URL."""
+def _proxy(url, answer):
+    """A proxy to the server at `url`, its URL: answer(path) gives None (forward the request), a
+    (code, body) to answer instead, or "hang" (read the request, never answer)."""
     import http.server
     import threading
 
     class Proxy(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            self.answer(200, urllib.request.urlopen(url + self.path).read())
+            self.relay(None)
 
         def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.answer(404, b'{"detail":"Not Found"}')
+            self.relay(self.rfile.read(int(self.headers["Content-Length"])))
 
-        def answer(self, code, body):
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
+        def relay(self, body):
+            instead = answer(self.path)
+            if instead == "hang":
+                time.sleep(3600)
+            if instead is None:
+                request = urllib.request.Request(url + self.path, body, {"Content-Type": "application/json"})
+                try:
+                    instead = 200, urllib.request.urlopen(request).read()
+                except urllib.error.HTTPError as e:
+                    instead = e.code, e.read()
+            self.send_response(instead[0])
+            self.send_header("Content-Length", str(len(instead[1])))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(instead[1])
 
         def log_message(self, *args):
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _without_runtime_lora(url):
+    """As a vLLM server started without VLLM_ALLOW_RUNTIME_LORA_UPDATING answers: a 404 for the adapter."""
+    return _proxy(url, lambda path: (404, b'{"detail":"Not Found"}') if "lora_adapter" in path else None)
+
+
+def test_a_vllm_server_that_hangs_mid_iteration_stops_the_run_at_its_timeout_with_its_resume_command(vllm_server,
+                                                                                                     tmp_path):
+    """A server that stops answering once iteration 1 has sampled (a proxy in front of the real one that
+    never answers a completion after the 100th): each request waits --vllm-timeout 3 s, then the run stops
+    with one line and the resume command (exit 1), the iterations it logged kept."""
+    completions = itertools.count()
+    url = _proxy(vllm_server, lambda path: "hang" if "completions" in path and next(completions) >= 100 else None)
+    run = tmp_path / "run"
+    started = time.monotonic()
+    done = _cli("--tiny", "--lora", "--vllm", url, "--vllm-timeout", "3", "--tasks-per-iteration", "3",
+                "--rollouts-per-task", "4", "--max-turns", "3", "--eval-max-turns", "1", "--out", str(run), timeout=150)
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert line.startswith(f"error: the vLLM server at {url} did not answer /v1/completions within "
+                           "--vllm-timeout 3 s: the finished iterations are kept"), line
+    assert line.endswith(f"--resume {run}`") and time.monotonic() - started < 120
+    logged = [json.loads(r)["iteration"] for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert infra.last_checkpoint(str(run), loop.parse_config(["--resume", str(run)]))[1] == max(logged) >= 1
 
 
 def test_a_vllm_server_killed_mid_run_stops_it_with_its_resume_command_and_loses_no_iteration(vllm_server, tmp_path):
