@@ -4820,6 +4820,24 @@ def test_on_a_vllm_server_no_episode_waits_for_another_and_at_most_batch_episode
         x for x, out in zip(e.sampler_logp, e.is_output) if out))) for e in episodes)
 
 
+def test_episodes_spread_over_the_servers_and_each_keeps_its_own(tiny, vllm_server):
+    """--vllm A,B: episode i samples on server i mod 2, all its turns there (its prefix cache holds
+    them). B is a proxy in front of the same server that records its completions: 3 of the 6
+    episodes' 3 turns each, every later prompt extending one of its own earlier ones."""
+    cfg, _, chat = tiny
+    seen = []
+    second = _proxy(vllm_server, lambda path, body: seen.append(json.loads(body)["prompt"])
+                    if "completions" in path else None)
+    cfg = dataclasses.replace(cfg, vllm=f"{vllm_server},{second}", lora=False, eval=True, batch_episodes=6)
+    worlds = [_Slow(f"w{i}", 3, 0.0) for i in range(6)]
+    episodes = loop.rollout(None, chat, worlds, [f"t{i}" for i in range(6)], cfg, 1.0, 3,
+                            servers=infra.Servers(cfg))
+    first = [p for p in seen if len(p) == min(map(len, seen))]
+    assert len(seen) == 9 and len(first) == 3
+    later = sorted(e.ids[:e.turn_of.index(turn)] for e in episodes[1::2] for turn in (1, 2))
+    assert sorted(p for p in seen if len(p) > len(first[0])) == later  # the odd episodes' own
+
+
 def test_tiny_lora_trains_on_a_vllm_server_each_iteration_sampling_the_last_update(vllm_server, tmp_path):
     """`--tiny --lora --vllm URL` for 3 iterations: it trains (steps), iteration i's rollouts are
     sampled by the adapter of iteration i-1 (the run's others unloaded), the sampler's log-probs are
@@ -4896,7 +4914,7 @@ def test_vllm_servers_that_cannot_serve_the_run_stop_it_before_it_writes_anythin
 
 
 def _proxy(url, answer):
-    """A proxy to the server at `url`, its URL: answer(path) gives None (forward the request), a
+    """A proxy to the server at `url`, its URL: answer(path, body) gives None (forward the request), a
     (code, body) to answer instead, or "hang" (read the request, never answer)."""
     import http.server
     import threading
@@ -4909,7 +4927,7 @@ def _proxy(url, answer):
             self.relay(self.rfile.read(int(self.headers["Content-Length"])))
 
         def relay(self, body):
-            instead = answer(self.path)
+            instead = answer(self.path, body)
             if instead == "hang":
                 time.sleep(3600)
             if instead is None:
@@ -4934,7 +4952,7 @@ def _proxy(url, answer):
 
 def _without_runtime_lora(url):
     """As a vLLM server started without VLLM_ALLOW_RUNTIME_LORA_UPDATING answers: a 404 for the adapter."""
-    return _proxy(url, lambda path: (404, b'{"detail":"Not Found"}') if "lora_adapter" in path else None)
+    return _proxy(url, lambda path, body: (404, b'{"detail":"Not Found"}') if "lora_adapter" in path else None)
 
 
 def test_a_vllm_server_that_hangs_mid_iteration_stops_the_run_at_its_timeout_with_its_resume_command(vllm_server,
@@ -4943,7 +4961,7 @@ def test_a_vllm_server_that_hangs_mid_iteration_stops_the_run_at_its_timeout_wit
     never answers a completion after the 100th): each request waits --vllm-timeout 3 s, then the run stops
     with one line and the resume command (exit 1), the iterations it logged kept."""
     completions = itertools.count()
-    url = _proxy(vllm_server, lambda path: "hang" if "completions" in path and next(completions) >= 100 else None)
+    url = _proxy(vllm_server, lambda path, body: "hang" if "completions" in path and next(completions) >= 100 else None)
     run = tmp_path / "run"
     started = time.monotonic()
     done = _cli("--tiny", "--lora", "--vllm", url, "--vllm-timeout", "3", "--tasks-per-iteration", "3",
