@@ -566,8 +566,7 @@ class Servers:
 
     def __init__(self, cfg):
         if not (cfg.lora or cfg.eval):  # a running server loads adapters, not new full weights
-            die("--vllm trains the LoRA adapter it loads into the servers after each update: "
-                "add --lora")
+            die("--vllm trains the LoRA adapter it loads into the servers: add --lora")
         self.urls = [url.rstrip("/") for url in cfg.vllm.split(",")]
         self.timeout, self.stopped, self.row, self.lora = cfg.vllm_timeout, False, {}, cfg.lora
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (localhost)
@@ -579,8 +578,7 @@ class Servers:
             try:
                 models = self.call(url, "/v1/models")["data"]
             except (ServerFailed, KeyError, TypeError) as e:
-                die(f"{first_line(e)}: start it (README: sampling on vLLM servers) or give --vllm "
-                    "the URL of a running one")
+                die(f"{first_line(e)}: start it (docs/vllm.md), or give --vllm a running one's URL")
             served = [m for m in models if base in (m["id"], m["root"])
                       or os.path.exists(base) and same("model", m["root"], base)]
             if not served:
@@ -668,10 +666,12 @@ class Servers:
             return
         folder = os.path.join(run_dir, "sampler")
         path = self.evaluated_adapter or os.path.join(folder, str(iteration))
-        weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-                   for n, p in model.named_parameters() if p.requires_grad}  # the adapter alone
         digest = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:8]
         self.prefix, refused = f"loop-{digest}-", [None]  # (rank 0's reason, sent to all)
+        if self.adapter == self.prefix + str(iteration):  # (taken already, by the evaluation)
+            return
+        weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+                   for n, p in model.named_parameters() if p.requires_grad}  # the adapter alone
         if RANK == 0:
             if not self.evaluated_adapter:
                 model.save_pretrained(path, state_dict=weights, save_embedding_layers=False)
@@ -680,12 +680,11 @@ class Servers:
                 for url in self.urls:
                     self.call(url, "/v1/load_lora_adapter", {"lora_name": self.prefix +
                               str(iteration), "lora_path": os.path.abspath(path)})
-            except ServerFailed as e:
-                refused[0] = (f"{e}: start it with --enable-lora --max-lora-rank 16 and "
-                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-            for old in os.listdir(folder) if os.path.isdir(folder) else []:
-                if old != str(iteration):  # unloaded: the servers read it no more
-                    shutil.rmtree(os.path.join(folder, old))
+            except ServerFailed as e:  # a refusal: a server started without runtime LoRA, say
+                hint = ": start it with --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+                refused[0] = f"{e}{hint * (' refused ' in str(e))}"
+            for old in set(os.listdir(folder) if os.path.isdir(folder) else []) - {str(iteration)}:
+                shutil.rmtree(os.path.join(folder, old))  # unloaded: the servers read it no more
         if WORLD > 1:  # no rank samples from it before every server has it
             dist.broadcast_object_list(refused)
         if refused[0]:
@@ -701,10 +700,9 @@ class Servers:
 def mismatch(episodes, old, used):
     """How far the sampler's log p of the sampled tokens is from the learner's (--vllm), over the
     rollouts the update uses: mean and max |delta| (the training-inference mismatch)."""
-    deltas = [(torch.tensor(episodes[i].sampler_logp[1:]) - old[i].cpu()).abs()
-              [torch.tensor(episodes[i].is_output[1:])] for i in used]
+    deltas = [(torch.tensor(episodes[i].sampler_logp[1:]) - old[i].cpu()).abs() for i in used]
     deltas = torch.cat(deltas or [torch.zeros(0)])
-    deltas = deltas[~deltas.isnan()]  # (a token no server sampled)
+    deltas = deltas[~deltas.isnan()]  # the sampled tokens (a context token's sampler log p: NaN)
     total, count = all_reduce([deltas.sum().item(), deltas.numel()])
     worst = all_reduce([deltas.max().item() if deltas.numel() else 0.0], dist.ReduceOp.MAX)[0]
     return {"mismatch_mean": total / count, "mismatch_max": worst} if count else {}

@@ -514,6 +514,8 @@ def evaluate(model, chat, cfg, split, iteration, run_dir, servers=None):
     tasks = infra.tasks_of(World, split)[infra.RANK::infra.WORLD]  # rank 0 gathers the results
     experiment = f"loop-{os.path.basename(os.path.abspath(run_dir))}-{split}-iter{iteration:04d}"
     worlds = [infra.Hosted(World, t, cfg.code_timeout, experiment) for t in tasks]
+    if servers:  # they sample the model evaluated
+        servers.take(model, run_dir, iteration)
     episodes = rollout(model, chat, worlds, tasks, cfg, cfg.eval_temperature, cfg.eval_max_turns,
                        desc=f"eval {split}", servers=servers)
     infra.stop_if_every_world_failed(episodes, f"the evaluation of {split}")
@@ -551,9 +553,9 @@ def main(argv=None):
                 if not run.begin and not run.evaluated_at_0:  # (a killed run's is kept)
                     run.log(evaluate(model, chat, cfg, cfg.split, 0, run.dir, servers))
                 for iteration in run.progress(range(run.begin + 1, cfg.iterations + 1)):
+                    if servers:  # theta_old <- theta: the servers sample the policy being updated
+                        servers.take(model, run.dir, iteration - 1)
                     run.log(train_iteration(model, opt, chat, cfg, train_tasks, iteration, servers))
-                    if servers:  # theta_old <- theta: the next rollouts sample the updated policy
-                        servers.take(model, run.dir, iteration)
                     if iteration % cfg.eval_every == 0 or iteration == cfg.iterations:
                         run.log(evaluate(model, chat, cfg, cfg.split, iteration, run.dir, servers))
                     infra.save_checkpoint(run.dir, model, opt, iteration, cfg)
