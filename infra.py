@@ -591,8 +591,8 @@ class Servers:
 
     def call(self, url, path, body=None):
         """The server's answer (JSON, else its text) within --vllm-timeout, or ServerFailed."""
-        if self.stopped:  # the rollout ended (Ctrl-C, another episode's failure)
-            raise ServerFailed("the rollout was stopped")
+        if self.stopped and path == "/v1/completions":  # the episodes' rollout ended (Ctrl-C, an
+            raise ServerFailed("the rollout was stopped")  # episode's failure): they end here
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
         try:
@@ -668,7 +668,8 @@ class Servers:
         path = self.evaluated_adapter or os.path.join(folder, str(iteration))
         digest = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:8]
         self.prefix, refused = f"loop-{digest}-", [None]  # (rank 0's reason, sent to all)
-        if self.adapter == self.prefix + str(iteration):  # (taken already, by the evaluation)
+        name = self.prefix + ("model" if self.evaluated_adapter else str(iteration))
+        if self.adapter == name:  # taken already (by the evaluation; --eval's at the start)
             return
         weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
                    for n, p in model.named_parameters() if p.requires_grad}  # the adapter alone
@@ -678,8 +679,8 @@ class Servers:
             try:
                 self.release()  # the previous one, or those of this run's killed trainer
                 for url in self.urls:
-                    self.call(url, "/v1/load_lora_adapter", {"lora_name": self.prefix +
-                              str(iteration), "lora_path": os.path.abspath(path)})
+                    self.call(url, "/v1/load_lora_adapter",
+                              {"lora_name": name, "lora_path": os.path.abspath(path)})
             except ServerFailed as e:  # a refusal: a server started without runtime LoRA, say
                 hint = ": start it with --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
                 refused[0] = f"{e}{hint * (' refused ' in str(e))}"
@@ -689,7 +690,7 @@ class Servers:
             dist.broadcast_object_list(refused)
         if refused[0]:
             raise ServerFailed(refused[0])
-        self.adapter = self.prefix + str(iteration)
+        self.adapter = name
 
     def release(self):  # the run's adapters unloaded from its servers (shared: at its end too)
         for url in self.urls * (RANK == 0 and hasattr(self, "prefix")):
@@ -1242,7 +1243,6 @@ class Run:
     def __exit__(self, kind, error, traceback):
         release(self.dir)  # (under FSDP the others wait for rank 0 below)
         if self.servers and kind is not ServerFailed:  # (a server that failed: no more waiting)
-            self.servers.stopped = False
             with contextlib.suppress(ServerFailed):
                 self.servers.release()
         self.bar.close()

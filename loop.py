@@ -387,8 +387,8 @@ def update(model, opt, episodes, advantages, cfg):
         return stats
     started = time.time()
     old = old_logprobs(model, episodes, used, cfg)
-    stats.update(infra.mismatch(episodes, old, used))  # the sampler's log p against old's (--vllm)
     stats["old_logprob_seconds"] = round(time.time() - started, 2)
+    stats.update(infra.mismatch(episodes, old, used))  # the sampler's log p against old's (--vllm)
     started = time.time()  # the passes'
     model.train()
     params = [p for group in opt.param_groups for p in group["params"]]  # FSDP's sharded ones
